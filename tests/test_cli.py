@@ -1,0 +1,57 @@
+"""The CLI as a user meets it: help, inspect (human and JSON), errors as one line with exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from daemons.cli import main
+from daemons.synthetic import write_synthetic_qwen35
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_help_lists_commands():
+    r = CliRunner().invoke(main, ["--help"])
+    assert r.exit_code == 0
+    assert "inspect" in r.output and "demo" in r.output
+
+
+def test_inspect_human_and_json(tmp_path):
+    f = tmp_path / "m.gguf"
+    write_synthetic_qwen35(f, "tiny", n_layer=8)
+    r = CliRunner().invoke(main, ["inspect", str(f)])
+    assert r.exit_code == 0, r.output
+    assert "qwen35" in r.output and "layers:        8: (deltanet x3, attention) x2" in r.output
+    assert "vocab 269" in r.output and "chat template: yes" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(f), "--json"])
+    info = json.loads(r.output)
+    assert info["architecture"] == "qwen35"
+    assert info["layer_types"] == ["deltanet", "deltanet", "deltanet", "attention"] * 2
+    assert info["metadata"]["qwen35.block_count"] == 8
+    assert info["parameters"] > 0 and set(info["quantization_bytes"]) == {"F32"}
+    assert info["tokenizer"]["vocab_size"] == 269
+
+
+def test_bad_file_is_one_line_and_exit_2(tmp_path):
+    f = tmp_path / "bad.gguf"
+    f.write_bytes(b"not a gguf file at all, just some bytes")
+    # through the real entry point, as a user runs it
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "daemons.cli", "inspect", str(f)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"dflashd: error: {f}: not a GGUF file (magic b'not ', expected b'GGUF')"
+    assert "Traceback" not in r.stderr
+
+
+def test_demo_without_embedded_model_says_so(tmp_path, monkeypatch):
+    import daemons.cli as cli
+    monkeypatch.setattr(cli, "MODELS_DIR", tmp_path)
+    r = CliRunner().invoke(main, ["demo"])
+    assert r.exit_code == 1
+    assert "no embedded default model is installed" in r.output
