@@ -44,6 +44,16 @@ def lookup(gguf: GGUFFile) -> Architecture:
     return arch
 
 
+def load_model(path: str, device: str = "cpu"):
+    """Open `path`, find its architecture's module and load the model on `device`.
+    The module provides `Model.load(path, backend)` (e.g. `daemons.qwen35.Qwen35Model`)."""
+    from kernels import get_backend
+    with GGUFFile(path) as g:
+        module = worker_module(g)
+    backend = get_backend(device)
+    return module.Model.load(path, backend)
+
+
 def worker_module(gguf: GGUFFile) -> ModuleType:
     """The module that implements the file's architecture (it provides `check_file(gguf)`)."""
     arch = lookup(gguf)

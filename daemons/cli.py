@@ -23,6 +23,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     for module, name in (("daemons.tokenizer", "TokenizerError"),
                          ("daemons.chat_template", "ChatTemplateError"),
                          ("daemons.convert", "ConvertError"),
+                         ("daemons.sampling", "SamplingError"),
+                         ("daemons.generate", "GenerationError"),
                          ("kernels.backend", "BackendError"),
                          ("kernels.ggml_quants", "UnsupportedQuantType")):
         try:
@@ -52,13 +54,124 @@ def main() -> None:
 def inspect(file: Path, as_json: bool) -> None:
     """Describe a GGUF file: architecture, parameters, layers, quantisation, tokenizer."""
     from daemons.gguf_reader import GGUFFile
-    from daemons.model_info import describe, format_human
+    from daemons.model_info import describe, format_human, validate
     with GGUFFile(file) as g:
         info = describe(g, with_metadata=as_json)
+        if info["served_by"]:
+            validate(g)  # shapes, types, tokenizer: what a worker would refuse, inspect refuses too
     if as_json:
         click.echo(json.dumps(info, ensure_ascii=False, default=str))
     else:
         click.echo(format_human(info))
+
+
+@main.command()
+@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
+              help="Storage type of the matrices (1-D tensors stay F32, as llama.cpp's converter keeps them).")
+def convert(hf_dir: Path, out: Path, outtype: str) -> None:
+    """Convert a Hugging Face checkpoint (safetensors + config.json + tokenizer.json) to GGUF."""
+    from daemons.convert import convert_hf_to_gguf
+    r = convert_hf_to_gguf(hf_dir, out, outtype)
+    click.echo(f"wrote {r.path}: {r.outtype}, {r.n_tensors} tensors, {r.n_params:,} parameters, vocab {r.n_vocab}")
+
+
+def _device_option(f):
+    return click.option("--device", default="cpu", show_default=True,
+                        help="cpu, cuda:N or hip:N")(f)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--tokens")
+    if not ids:
+        raise click.BadParameter("no token ids given", param_hint="--tokens")
+    return ids
+
+
+@main.command()
+@click.option("--model", "-m", "model_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--tokens", required=True, help="Comma-separated token ids of one prompt.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Output .npy: float32 [n_tokens, vocab], the logits of every position.")
+@_device_option
+def logits(model_path: Path, tokens: str, out: Path, device: str) -> None:
+    """Logits of every position of one prefill."""
+    import numpy as np
+    from daemons.architectures import load_model
+    ids = _parse_ids(tokens)
+    model = load_model(str(model_path), device)
+    state = model.new_state(len(ids))
+    result = np.asarray(model.prefill(ids, state, logits="all"), dtype=np.float32)
+    np.save(out, result)
+    click.echo(f"wrote {out}: float32 {list(result.shape)}")
+
+
+@main.command()
+@click.option("--model", "-m", "model_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--prompt", "-p", default=None, help="Prompt text (tokenized with the model's tokenizer).")
+@click.option("--tokens", default=None, help="Prompt as comma-separated token ids instead of text.")
+@click.option("--chat", is_flag=True, help="Wrap --prompt as a user message in the model's chat template.")
+@click.option("--max-tokens", "-n", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temp", "temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--min-p", default=0.0, show_default=True, type=float)
+@click.option("--repeat-penalty", default=1.0, show_default=True, type=float)
+@click.option("--seed", default=None, type=int)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ctx-size", "-c", default=None, type=int, help="Context size (default: prompt + max tokens).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, timings.")
+@_device_option
+def generate(model_path: Path, prompt: str | None, tokens: str | None, chat: bool, max_tokens: int,
+             temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+             seed: int | None, stop: tuple[str, ...], ctx_size: int | None, as_json: bool, device: str) -> None:
+    """Generate a continuation of a prompt."""
+    from daemons.architectures import load_model
+    from daemons.generate import GenerationRequest, generate as run
+    from daemons.sampling import SamplingParams
+    from daemons.tokenizer import Tokenizer
+
+    if (prompt is None) == (tokens is None):
+        raise click.UsageError("give exactly one of --prompt and --tokens")
+    model = load_model(str(model_path), device)
+    tok = Tokenizer.from_metadata(model.metadata, source=str(model_path))
+    if tokens is not None:
+        ids = _parse_ids(tokens)
+    else:
+        text = prompt
+        if chat:
+            from daemons.chat_template import ChatTemplate
+            tmpl = ChatTemplate.from_metadata(model.metadata)
+            text = tmpl.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tok.encode(text, add_special=not chat, parse_special=chat)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, seed=seed)
+    request = GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=sampling,
+                                stop_ids=tok.stop_ids, stop_strings=stop,
+                                max_ctx=ctx_size or len(ids) + max_tokens + 1)
+    out_ids: list[int] = []
+    parts: list[str] = []
+    final = None
+    for ev in run(model, tok, request):
+        out_ids.extend(ev.token_ids)
+        parts.append(ev.text)
+        if not as_json and ev.text:
+            click.echo(ev.text, nl=False)
+        if ev.is_final:
+            final = ev
+    if as_json:
+        click.echo(json.dumps({"prompt_tokens": len(ids), "tokens": out_ids, "text": "".join(parts),
+                               "finish_reason": final.finish_reason, "timings": final.stats.to_dict()},
+                              ensure_ascii=False))
+    else:
+        s = final.stats
+        click.echo("")
+        click.echo(f"[{final.finish_reason}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s; "
+                   f"generated {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s", err=True)
 
 
 def default_model_paths() -> tuple[Path, Path | None] | None:
@@ -71,6 +184,9 @@ def default_model_paths() -> tuple[Path, Path | None] | None:
     return targets[0], (drafts[0] if drafts else None)
 
 
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
 @main.command()
 def demo() -> None:
     """Run the main job on the embedded default model, on the CPU."""
@@ -80,8 +196,9 @@ def demo() -> None:
                    "file; the trained default pair is a later milestone). Nothing was run.", err=True)
         sys.exit(1)
     target, draft = paths
-    from daemons.demo import run_demo
-    run_demo(target, draft)
+    click.echo(f"dflashd demo: {target.name} on the CPU", err=True)
+    click.get_current_context().invoke(generate, model_path=target, prompt=DEMO_PROMPT, chat=True,
+                                       max_tokens=96)
 
 
 if __name__ == "__main__":

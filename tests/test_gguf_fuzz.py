@@ -37,10 +37,12 @@ def _mutate(raw: bytes, rng: np.random.Generator, meta_end: int) -> bytes:
     elif kind == 1:  # truncation
         return bytes(b[: int(rng.integers(0, len(b)))])
     elif kind == 2:  # rewrite a 64-bit field (counts, lengths, offsets, dims)
-        v = int(rng.choice([0, 1, 2**32, 2**62, 2**64 - 1, int(rng.integers(0, 2**63))]))
+        choices = [0, 1, 2**32, 2**62, 2**64 - 1, int(rng.integers(0, 2**63))]
+        v = choices[int(rng.integers(0, len(choices)))]
         b[pos:pos + 8] = struct.pack("<Q", v)[: len(b[pos:pos + 8])]
     elif kind == 3:  # rewrite a 32-bit field (types, versions, dim counts)
-        v = int(rng.choice([0, 5, 9, 13, 30, 2**31, 2**32 - 1, int(rng.integers(0, 40))]))
+        choices = [0, 5, 9, 13, 30, 2**31, 2**32 - 1, int(rng.integers(0, 40))]
+        v = choices[int(rng.integers(0, len(choices)))]
         b[pos:pos + 4] = struct.pack("<I", v)[: len(b[pos:pos + 4])]
     else:  # insert or delete a few bytes, shifting everything after
         n = int(rng.integers(1, 9))
