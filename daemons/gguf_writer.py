@@ -107,7 +107,9 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: Mapping[str, Any],
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) and t.shape is None:
             w.add_tensor(t.name, data)
         else:
-            w.add_tensor(t.name, data, raw_shape=shape, raw_dtype=qtype)
+            # gguf-py takes the *byte* shape of uint8 data and derives the element shape from it.
+            byte_shape = tuple(shape[:-1]) + (data.shape[-1],) if data.dtype == np.uint8 else shape
+            w.add_tensor(t.name, data, raw_shape=byte_shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

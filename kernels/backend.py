@@ -59,7 +59,9 @@ class Backend(Protocol):
         """x / sqrt(mean(x^2, last axis) + eps) * weight (weight broadcast over the last axis)."""
 
     def l2_norm(self, x: Any, eps: float) -> Any:
-        """x / max(||x||_2, eps) over the last axis (ggml's form; see qwen35 math §3.4)."""
+        """x / sqrt(sum(x^2, last axis) + eps): HF/FLA's l2norm and current llama.cpp's
+        (`build_gdn_l2_norm`, ggml-org/llama.cpp#28068). The older ggml form x / max(||x||, eps)
+        quoted in qwen35 math §3.4 differs only for near-zero vectors."""
 
     def rope_neox(self, x: Any, positions: Any, n_rot: int, theta: float) -> Any:
         """Partial NeoX RoPE on x[T, H, D]: pairs (i, i + n_rot/2) for i < n_rot/2 rotated by

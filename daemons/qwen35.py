@@ -1,0 +1,560 @@
+"""The qwen35 model (Qwen3.5 / Qwen3.6 dense): Gated DeltaNet layers + gated full attention.
+
+Written once against `kernels.backend.Backend` (CPU by default). Math: ../shared/design/
+qwen35-dflash-ddtree-math.md §1-§4; the GGUF layout is llama.cpp's (see `daemons.convert`).
+
+Layer `il` is full attention iff `(il + 1) % full_attention_interval == 0` (or as
+`attention.recurrent_layers` says, when present); all others are Gated DeltaNet. Each layer is
+
+    h  = x + Mixer(RMSNorm(x; attn_norm))
+    x' = h + W_down(silu(W_gate h̃) ⊙ W_up h̃),   h̃ = RMSNorm(h; post_attention_norm)
+
+and `logits = W_out RMSNorm(x; output_norm)` with W_out = `output.weight`, or `token_embd.weight`
+when the file has no output matrix (tied embeddings, the small Qwen3.5 models). Norm weights in the
+GGUF already hold HF's `1 + w`, so RMSNorm multiplies by them directly.
+
+Decisions where the sources differ (math spec §9):
+- RoPE angles: `p · θ^(−2i/n_rot)` in float64, reduced mod 2π, then cos/sin in float32. HF computes
+  the angle in float32, which drifts by ~1e-2 rad at p ~ 1e5; float64 is exact to the position
+  range we serve. M-RoPE sections collapse to plain partial NeoX RoPE for text (t = h = w = p).
+- L2 norm of DeltaNet q/k: `x / sqrt(Σx² + eps)`, HF's form and current llama.cpp's (see
+  `kernels.deltanet`), not the older `x / max(‖x‖, eps)`.
+- V heads are in GGUF tiled order: v-head h reads k-head `h % n_k_heads`.
+- The DeltaNet state is float32 and can be checkpointed per token (`kernels.deltanet`).
+
+The state (`Qwen35State`) is explicit: a KV cache per attention layer, a conv state and a delta-rule
+state per DeltaNet layer, and `n_past`. `forward` advances it; `copy`, `to_host` and `from_host`
+snapshot and restore it (speculative decoding rolls back with these).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Collection, Sequence
+
+import numpy as np
+
+from daemons.gguf_reader import GGUFFile, GGUFMetadataError, GGUFTensorError
+from kernels.ggml_quants import SUPPORTED_TYPES
+
+__all__ = ["ARCH", "Qwen35HParams", "Qwen35State", "Qwen35Model", "ModelInputError", "StateError",
+           "check_file", "capture_layer_ids"]
+
+ARCH = "qwen35"
+_FLOAT_TYPES = (0, 1, 30)                       # F32, F16, BF16: small tensors (norms, biases, conv)
+_MATRIX_TYPES = tuple(int(t) for t in SUPPORTED_TYPES)
+
+
+class ModelInputError(ValueError):
+    """Bad arguments to the model: token ids out of range, context overflow, unknown option."""
+
+
+class StateError(ValueError):
+    """A state snapshot does not fit this model (wrong keys, shapes or length)."""
+
+
+def capture_layer_ids(n_layer: int, n_capture: int = 5) -> list[int]:
+    """DFlash target-feature layers: `1 + k·⌊(n_layer − 2)/4⌋` for k < n_capture (math spec §4)."""
+    step = (n_layer - 2) // 4
+    return [1 + k * step for k in range(n_capture)]
+
+
+# ------------------------------------------------------------------------------------------------
+# hyperparameters
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Qwen35HParams:
+    n_vocab: int
+    n_embd: int
+    n_ff: int
+    n_layer: int                 # layers of the main pass (block_count minus MTP layers)
+    n_head: int
+    n_head_kv: int
+    head_dim: int                # attention.key_length == value_length
+    n_rot: int                   # rope.dimension_count
+    rope_theta: float
+    rope_sections: tuple[int, ...]
+    rms_eps: float
+    recurrent: tuple[bool, ...]  # per main-pass layer: True = Gated DeltaNet
+    conv_kernel: int             # ssm.conv_kernel
+    ssm_inner: int               # ssm.inner_size = n_v_heads * d_v
+    ssm_d_state: int             # ssm.state_size = d_k
+    ssm_n_k_heads: int           # ssm.group_count
+    ssm_n_v_heads: int           # ssm.time_step_rank
+    context_length: int
+    n_nextn: int = 0             # nextn_predict_layers (MTP blocks stored after the main layers)
+
+    @property
+    def d_k(self) -> int:
+        return self.ssm_d_state
+
+    @property
+    def d_v(self) -> int:
+        return self.ssm_inner // self.ssm_n_v_heads
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.ssm_n_k_heads * self.d_k + self.ssm_inner
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [il for il, r in enumerate(self.recurrent) if not r]
+
+    @property
+    def deltanet_layers(self) -> list[int]:
+        return [il for il, r in enumerate(self.recurrent) if r]
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Qwen35HParams":
+        """Read and validate the `qwen35.*` keys (GGUFMetadataError on a bad value); n_vocab comes
+        from `token_embd.weight` (GGUFTensorError if it is missing)."""
+        arch = f.get_str("general.architecture")
+        if arch != ARCH:
+            raise GGUFMetadataError(f.path, f"general.architecture is '{arch}', expected '{ARCH}'")
+        a = ARCH
+
+        def pos(key: str, default: int | None = None) -> int:
+            return f.get_int(f"{a}.{key}", default, minimum=1)
+
+        n_embd = pos("embedding_length")
+        block_count = pos("block_count")
+        n_nextn = f.get_int(f"{a}.nextn_predict_layers", 0, minimum=0)
+        if n_nextn >= block_count:
+            raise GGUFMetadataError(f.path, f"{a}.nextn_predict_layers = {n_nextn} leaves no main layers "
+                                            f"of block_count {block_count}")
+        n_layer = block_count - n_nextn
+        n_head = pos("attention.head_count")
+        n_head_kv = pos("attention.head_count_kv")
+        head_dim = pos("attention.key_length")
+        value_length = pos("attention.value_length", head_dim)
+        n_rot = f.get_int(f"{a}.rope.dimension_count", head_dim, minimum=2)
+        ssm_d_state = pos("ssm.state_size")
+        ssm_inner = pos("ssm.inner_size")
+        n_v = pos("ssm.time_step_rank")
+        n_k = pos("ssm.group_count")
+        conv_kernel = pos("ssm.conv_kernel")
+        eps = f.get_float(f"{a}.attention.layer_norm_rms_epsilon")
+        theta = f.get_float(f"{a}.rope.freq_base", 10000.0)
+
+        def bad(msg: str) -> GGUFMetadataError:
+            return GGUFMetadataError(f.path, msg)
+
+        if value_length != head_dim:
+            raise bad(f"{a}.attention.value_length {value_length} differs from key_length {head_dim} "
+                      f"(qwen35 attention needs them equal)")
+        if n_head % n_head_kv:
+            raise bad(f"{a}.attention.head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+        if n_rot % 2 or n_rot > head_dim:
+            raise bad(f"{a}.rope.dimension_count {n_rot} must be even and at most key_length {head_dim}")
+        if n_v % n_k:
+            raise bad(f"{a}.ssm.time_step_rank {n_v} (value heads) is not a multiple of "
+                      f"ssm.group_count {n_k} (key heads)")
+        if ssm_inner % n_v:
+            raise bad(f"{a}.ssm.inner_size {ssm_inner} is not a multiple of ssm.time_step_rank {n_v}")
+        if conv_kernel < 2:
+            raise bad(f"{a}.ssm.conv_kernel {conv_kernel} must be at least 2")
+        if not 0.0 < eps < 1.0:
+            raise bad(f"{a}.attention.layer_norm_rms_epsilon {eps} must lie in (0, 1)")
+        if theta <= 0.0:
+            raise bad(f"{a}.rope.freq_base {theta} must be positive")
+        sections = tuple(int(s) for s in f.get_array(f"{a}.rope.dimension_sections", [n_rot // 2, 0, 0, 0]))
+        # Sections only split the rotary pairs between M-RoPE position streams; for text all streams
+        # carry the same position, so they do not change the result (HF's defaults even exceed small
+        # n_rot). Only their form is checked.
+        if not sections or any(s < 0 for s in sections):
+            raise bad(f"{a}.rope.dimension_sections {list(sections)} must be non-negative integers")
+
+        key = f"{a}.attention.recurrent_layers"
+        if key in f:
+            flags = f.get_array(key)
+            if len(flags) < n_layer or not all(isinstance(v, bool) for v in flags):
+                raise bad(f"{key} must be {block_count} booleans, got {len(flags)} values")
+            recurrent = tuple(bool(v) for v in flags[:n_layer])
+        else:
+            interval = f.get_int(f"{a}.full_attention_interval", 4, minimum=1)
+            recurrent = tuple((il + 1) % interval != 0 for il in range(n_layer))
+
+        embd = f.tensor("token_embd.weight")
+        if len(embd.ne) != 2 or embd.ne[0] != n_embd:
+            raise GGUFTensorError(f.path, f"tensor 'token_embd.weight' has shape {list(embd.ne)}, "
+                                          f"expected [{n_embd}, n_vocab]")
+        return cls(n_vocab=int(embd.ne[1]), n_embd=n_embd, n_ff=pos("feed_forward_length"), n_layer=n_layer,
+                   n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot, rope_theta=theta,
+                   rope_sections=sections, rms_eps=eps, recurrent=recurrent, conv_kernel=conv_kernel,
+                   ssm_inner=ssm_inner, ssm_d_state=ssm_d_state, ssm_n_k_heads=n_k, ssm_n_v_heads=n_v,
+                   context_length=f.get_int(f"{a}.context_length", 0, minimum=0), n_nextn=n_nextn)
+
+
+def _tensor_specs(hp: Qwen35HParams, tied: bool) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(name, ggml ne, allowed types) of every tensor the main pass reads."""
+    d, ff = hp.n_embd, hp.n_ff
+    specs = [("token_embd.weight", (d, hp.n_vocab), _MATRIX_TYPES),
+             ("output_norm.weight", (d,), _FLOAT_TYPES)]
+    if not tied:
+        specs.append(("output.weight", (d, hp.n_vocab), _MATRIX_TYPES))
+    for il in range(hp.n_layer):
+        p = f"blk.{il}."
+        specs += [(p + "attn_norm.weight", (d,), _FLOAT_TYPES),
+                  (p + "post_attention_norm.weight", (d,), _FLOAT_TYPES),
+                  (p + "ffn_gate.weight", (d, ff), _MATRIX_TYPES),
+                  (p + "ffn_up.weight", (d, ff), _MATRIX_TYPES),
+                  (p + "ffn_down.weight", (ff, d), _MATRIX_TYPES)]
+        if hp.recurrent[il]:
+            C, nv = hp.conv_channels, hp.ssm_n_v_heads
+            specs += [(p + "attn_qkv.weight", (d, C), _MATRIX_TYPES),
+                      (p + "attn_gate.weight", (d, hp.ssm_inner), _MATRIX_TYPES),
+                      (p + "ssm_conv1d.weight", (hp.conv_kernel, C), _FLOAT_TYPES),
+                      (p + "ssm_a", (nv,), _FLOAT_TYPES),
+                      (p + "ssm_dt.bias", (nv,), _FLOAT_TYPES),
+                      (p + "ssm_alpha.weight", (d, nv), _MATRIX_TYPES),
+                      (p + "ssm_beta.weight", (d, nv), _MATRIX_TYPES),
+                      (p + "ssm_norm.weight", (hp.d_v,), _FLOAT_TYPES),
+                      (p + "ssm_out.weight", (hp.ssm_inner, d), _MATRIX_TYPES)]
+        else:
+            hd = hp.head_dim
+            specs += [(p + "attn_q.weight", (d, 2 * hp.n_head * hd), _MATRIX_TYPES),
+                      (p + "attn_k.weight", (d, hp.n_head_kv * hd), _MATRIX_TYPES),
+                      (p + "attn_v.weight", (d, hp.n_head_kv * hd), _MATRIX_TYPES),
+                      (p + "attn_q_norm.weight", (hd,), _FLOAT_TYPES),
+                      (p + "attn_k_norm.weight", (hd,), _FLOAT_TYPES),
+                      (p + "attn_output.weight", (hp.n_head * hd, d), _MATRIX_TYPES)]
+    return specs
+
+
+def check_file(f: GGUFFile) -> Qwen35HParams:
+    """Validate a qwen35 file completely (metadata and the shape and type of every tensor the model
+    reads) without loading anything; raises GGUFMetadataError / GGUFTensorError."""
+    hp = Qwen35HParams.from_gguf(f)
+    tied = "output.weight" not in f.tensors
+    for name, ne, types in _tensor_specs(hp, tied):
+        f.expect_tensor(name, ne, types=types)
+    return hp
+
+
+# ------------------------------------------------------------------------------------------------
+# weights
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class _AttentionWeights:
+    wq: Any          # [d -> 2·n_head·D]: per head h, rows [h·2D, h·2D+D) = q_h, then D rows of gate_h
+    wk: Any
+    wv: Any
+    wo: Any
+    q_norm: Any
+    k_norm: Any
+
+
+@dataclass
+class _DeltaNetWeights:
+    w_qkv: Any       # [d -> C]: q (n_k·d_k) | k (n_k·d_k) | v (n_v·d_v), v heads tiled
+    w_gate: Any      # z [d -> n_v·d_v]
+    w_alpha: Any
+    w_beta: Any
+    conv: Any        # [C, K] float32, tap K-1 is the newest input
+    ssm_a: Any       # -exp(A_log) [n_v]
+    dt_bias: Any
+    ssm_norm: Any    # [d_v], plain weight (not 1+w)
+    w_out: Any
+
+
+@dataclass
+class _Layer:
+    attn_norm: Any
+    post_norm: Any
+    ffn_gate: Any
+    ffn_up: Any
+    ffn_down: Any
+    mixer: _AttentionWeights | _DeltaNetWeights
+
+
+# ------------------------------------------------------------------------------------------------
+# state
+# ------------------------------------------------------------------------------------------------
+
+class Qwen35State:
+    """Everything a sequence carries between forward calls, as backend arrays:
+    `k_cache[il]`, `v_cache[il]` [n_head_kv, max_ctx, head_dim] per attention layer,
+    `conv[il]` [conv_kernel-1, C] (row 0 oldest) and `ssm[il]` [n_v, d_k, d_v] per DeltaNet layer,
+    and `n_past`, the number of tokens already processed."""
+
+    def __init__(self, hp: Qwen35HParams, backend: Any, max_ctx: int):
+        if max_ctx < 1:
+            raise ModelInputError(f"max_ctx must be positive, got {max_ctx}")
+        xp = backend.xp
+        self.hparams, self.backend, self.max_ctx, self.n_past = hp, backend, int(max_ctx), 0
+        self.k_cache = {il: xp.zeros((hp.n_head_kv, max_ctx, hp.head_dim), dtype=xp.float32)
+                        for il in hp.attention_layers}
+        self.v_cache = {il: xp.zeros((hp.n_head_kv, max_ctx, hp.head_dim), dtype=xp.float32)
+                        for il in hp.attention_layers}
+        self.conv = {il: xp.zeros((hp.conv_kernel - 1, hp.conv_channels), dtype=xp.float32)
+                     for il in hp.deltanet_layers}
+        self.ssm = {il: xp.zeros((hp.ssm_n_v_heads, hp.d_k, hp.d_v), dtype=xp.float32)
+                    for il in hp.deltanet_layers}
+
+    def _arrays(self) -> dict[str, Any]:
+        out = {}
+        for il in self.k_cache:
+            out[f"k.{il}"], out[f"v.{il}"] = self.k_cache[il], self.v_cache[il]
+        for il in self.conv:
+            out[f"conv.{il}"], out[f"ssm.{il}"] = self.conv[il], self.ssm[il]
+        return out
+
+    def copy(self) -> "Qwen35State":
+        """An independent copy on the same device."""
+        new = Qwen35State.__new__(Qwen35State)
+        new.hparams, new.backend, new.max_ctx, new.n_past = self.hparams, self.backend, self.max_ctx, self.n_past
+        new.k_cache = {il: a.copy() for il, a in self.k_cache.items()}
+        new.v_cache = {il: a.copy() for il, a in self.v_cache.items()}
+        new.conv = {il: a.copy() for il, a in self.conv.items()}
+        new.ssm = {il: a.copy() for il, a in self.ssm.items()}
+        return new
+
+    def to_host(self) -> dict[str, np.ndarray]:
+        """A host snapshot: `n_past`, and per layer `k.{il}`/`v.{il}` (only the first n_past cache
+        rows), `conv.{il}`, `ssm.{il}`, all numpy float32 copies."""
+        n = self.n_past
+        snap = {"n_past": np.array(n, dtype=np.int64)}
+        for name, arr in self._arrays().items():
+            part = arr[:, :n] if name[0] in "kv" else arr
+            snap[name] = np.array(self.backend.to_host(part), dtype=np.float32, copy=True)
+        return snap
+
+    def from_host(self, snapshot: dict[str, np.ndarray]) -> "Qwen35State":
+        """Restore a `to_host` snapshot into this state (any max_ctx ≥ its n_past); returns self."""
+        try:
+            n = int(np.asarray(snapshot["n_past"]))
+        except (KeyError, TypeError, ValueError):
+            raise StateError("snapshot has no integer 'n_past'") from None
+        if not 0 <= n <= self.max_ctx:
+            raise StateError(f"snapshot n_past {n} does not fit a state of max_ctx {self.max_ctx}")
+        arrays = self._arrays()
+        missing = sorted(set(arrays) - set(snapshot))
+        extra = sorted(set(snapshot) - set(arrays) - {"n_past"})
+        if missing or extra:
+            raise StateError(f"snapshot does not match this model: missing {missing[:4]}, unexpected {extra[:4]}")
+        for name, arr in arrays.items():
+            src = np.asarray(snapshot[name], dtype=np.float32)
+            want = (arr.shape[0], n, arr.shape[2]) if name[0] in "kv" else tuple(arr.shape)
+            if src.shape != want:
+                raise StateError(f"snapshot '{name}' has shape {list(src.shape)}, expected {list(want)}")
+        for name, arr in arrays.items():
+            src = self.backend.asarray(np.asarray(snapshot[name], dtype=np.float32))
+            if name[0] in "kv":
+                arr[:, :n] = src
+                arr[:, n:] = 0
+            else:
+                arr[...] = src
+        self.n_past = n
+        return self
+
+
+# ------------------------------------------------------------------------------------------------
+# model
+# ------------------------------------------------------------------------------------------------
+
+class Qwen35Model:
+    """A loaded qwen35 GGUF. `forward` / `prefill` run tokens through it, advancing a state."""
+
+    def __init__(self, gguf: GGUFFile, hparams: Qwen35HParams, backend: Any):
+        self.gguf, self.hparams, self.backend = gguf, hparams, backend
+        self.path = gguf.path
+        b = backend
+        vec = lambda name: b.load_vector(gguf.tensor(name))   # noqa: E731
+        mat = lambda name: b.load_weight(gguf.tensor(name))   # noqa: E731
+        self.token_embd = mat("token_embd.weight")
+        self.tied_output = "output.weight" not in gguf.tensors
+        self.output = self.token_embd if self.tied_output else mat("output.weight")
+        self.output_norm = vec("output_norm.weight")
+        self.layers: list[_Layer] = []
+        for il in range(hparams.n_layer):
+            p = f"blk.{il}."
+            if hparams.recurrent[il]:
+                mixer: _AttentionWeights | _DeltaNetWeights = _DeltaNetWeights(
+                    w_qkv=mat(p + "attn_qkv.weight"), w_gate=mat(p + "attn_gate.weight"),
+                    w_alpha=mat(p + "ssm_alpha.weight"), w_beta=mat(p + "ssm_beta.weight"),
+                    conv=vec(p + "ssm_conv1d.weight"), ssm_a=vec(p + "ssm_a"), dt_bias=vec(p + "ssm_dt.bias"),
+                    ssm_norm=vec(p + "ssm_norm.weight"), w_out=mat(p + "ssm_out.weight"))
+            else:
+                mixer = _AttentionWeights(
+                    wq=mat(p + "attn_q.weight"), wk=mat(p + "attn_k.weight"), wv=mat(p + "attn_v.weight"),
+                    wo=mat(p + "attn_output.weight"), q_norm=vec(p + "attn_q_norm.weight"),
+                    k_norm=vec(p + "attn_k_norm.weight"))
+            self.layers.append(_Layer(attn_norm=vec(p + "attn_norm.weight"),
+                                      post_norm=vec(p + "post_attention_norm.weight"),
+                                      ffn_gate=mat(p + "ffn_gate.weight"), ffn_up=mat(p + "ffn_up.weight"),
+                                      ffn_down=mat(p + "ffn_down.weight"), mixer=mixer))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, backend: Any = None) -> "Qwen35Model":
+        """Open, fully validate (`check_file`) and load a qwen35 GGUF; weights stay memory-mapped
+        in their stored quantisation. `backend` defaults to the CPU backend."""
+        if backend is None:
+            from kernels import get_backend
+            backend = get_backend("cpu")
+        f = GGUFFile(path)
+        try:
+            hp = check_file(f)
+        except Exception:
+            f.close()
+            raise
+        return cls(f, hp, backend)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.gguf.metadata
+
+    @property
+    def n_vocab(self) -> int:
+        return self.hparams.n_vocab
+
+    def weight_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.gguf.tensors.values())
+
+    def new_state(self, max_ctx: int | None = None) -> Qwen35State:
+        """A fresh (empty) state holding up to `max_ctx` tokens (default: the file's
+        context_length, or 4096 if the file does not say)."""
+        if max_ctx is None:
+            max_ctx = self.hparams.context_length or 4096
+        return Qwen35State(self.hparams, self.backend, int(max_ctx))
+
+    # -- running --------------------------------------------------------------------------------
+    def forward(self, token_ids: Sequence[int], state: Qwen35State, logits: str = "last",
+                capture_layers: Collection[int] | None = None, deltanet_mode: str = "auto"):
+        """Run `token_ids` (positions state.n_past, n_past+1, ...) in one batch and advance `state`.
+
+        logits: "last" -> float32 host [1, vocab]; "all" -> [T, vocab]; "none" -> None (skips the
+        LM head, for prompt chunks whose logits nobody reads).
+        capture_layers: layer ids whose output x' (after the FFN residual, HF `hidden_states[il+1]`)
+        is returned too; then the result is `(logits, {il: float32 host [T, n_embd]})`.
+        deltanet_mode: "auto" (chunked form for T > 1, recurrence for one token), "recurrent" or
+        "chunked"."""
+        hp, b = self.hparams, self.backend
+        ids = self._check_ids(token_ids)
+        if logits not in ("last", "all", "none"):
+            raise ModelInputError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+        if deltanet_mode not in ("auto", "recurrent", "chunked"):
+            raise ModelInputError(f"deltanet_mode must be 'auto', 'recurrent' or 'chunked', got {deltanet_mode!r}")
+        if state.hparams is not hp and state.hparams != hp:
+            raise StateError("state was created for a different model")
+        T = len(ids)
+        if state.n_past + T > state.max_ctx:
+            raise ModelInputError(f"context overflow: {state.n_past} tokens in the state + {T} new > "
+                                  f"max_ctx {state.max_ctx}")
+        capture = set(int(i) for i in capture_layers) if capture_layers is not None else set()
+        bad = [i for i in capture if not 0 <= i < hp.n_layer]
+        if bad:
+            raise ModelInputError(f"capture layer {bad[0]} outside 0..{hp.n_layer - 1}")
+        use_chunked = deltanet_mode == "chunked" or (deltanet_mode == "auto" and T > 1)
+
+        positions = np.arange(state.n_past, state.n_past + T, dtype=np.int64)
+        x = b.embed(self.token_embd, ids)                                     # [T, d]
+        captured: dict[int, np.ndarray] = {}
+        for il, layer in enumerate(self.layers):
+            xn = b.rms_norm(x, layer.attn_norm, hp.rms_eps)
+            if isinstance(layer.mixer, _AttentionWeights):
+                mixed = self._attention(il, layer.mixer, xn, positions, state)
+            else:
+                mixed = self._deltanet(il, layer.mixer, xn, state, use_chunked)
+            h = x + mixed
+            hn = b.rms_norm(h, layer.post_norm, hp.rms_eps)
+            x = h + b.matmul(b.silu_mul(b.matmul(hn, layer.ffn_gate), b.matmul(hn, layer.ffn_up)), layer.ffn_down)
+            if il in capture:
+                captured[il] = np.array(b.to_host(x), dtype=np.float32, copy=True)
+        state.n_past += T
+
+        out = None
+        if logits != "none":
+            sel = x if logits == "all" else x[T - 1:T]
+            out = np.asarray(b.to_host(b.matmul(b.rms_norm(sel, self.output_norm, hp.rms_eps), self.output)),
+                             dtype=np.float32)
+        return (out, captured) if capture_layers is not None else out
+
+    def prefill(self, token_ids: Sequence[int], state: Qwen35State, chunk: int = 512, logits: str = "last",
+                capture_layers: Collection[int] | None = None):
+        """`forward` over a long prompt in chunks of `chunk` tokens (bounded activation memory).
+        Returns what `forward` would for the whole prompt: logits "last" [1, V], "all" [T, V] or
+        "none"; with capture_layers, `(logits, {il: [T, n_embd]})`."""
+        ids = self._check_ids(token_ids)
+        if chunk < 1:
+            raise ModelInputError(f"chunk must be positive, got {chunk}")
+        if state.n_past + len(ids) > state.max_ctx:
+            raise ModelInputError(f"context overflow: {state.n_past} tokens in the state + {len(ids)} new > "
+                                  f"max_ctx {state.max_ctx}")
+        all_logits, caps = [], {}
+        last = None
+        for c0 in range(0, len(ids), chunk):
+            part = ids[c0:c0 + chunk]
+            is_last = c0 + chunk >= len(ids)
+            want = logits if (logits == "all" or is_last) else "none"
+            res = self.forward(part, state, logits=want, capture_layers=capture_layers)
+            lg, cap = res if capture_layers is not None else (res, None)
+            if logits == "all":
+                all_logits.append(lg)
+            last = lg
+            if cap is not None:
+                for il, arr in cap.items():
+                    caps.setdefault(il, []).append(arr)
+        out = np.concatenate(all_logits, axis=0) if logits == "all" else last
+        if capture_layers is not None:
+            return out, {il: np.concatenate(parts, axis=0) for il, parts in caps.items()}
+        return out
+
+    # -- layers ---------------------------------------------------------------------------------
+    def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
+        try:
+            ids = np.asarray(token_ids)
+        except (TypeError, ValueError):
+            raise ModelInputError("token ids must be a sequence of integers") from None
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ModelInputError(f"token ids must be a non-empty 1-D integer sequence, got "
+                                  f"{ids.dtype}{list(ids.shape)}")
+        ids = ids.astype(np.int64)
+        bad = (ids < 0) | (ids >= self.hparams.n_vocab)
+        if bad.any():
+            raise ModelInputError(f"token id {int(ids[np.argmax(bad)])} outside 0..{self.hparams.n_vocab - 1}")
+        return ids
+
+    def _attention(self, il: int, w: _AttentionWeights, xn: Any, positions: np.ndarray,
+                   state: Qwen35State) -> Any:
+        hp, b = self.hparams, self.backend
+        T, H, Hkv, D = xn.shape[0], hp.n_head, hp.n_head_kv, hp.head_dim
+        qg = b.matmul(xn, w.wq).reshape(T, H, 2 * D)
+        q = b.rms_norm(qg[:, :, :D], w.q_norm, hp.rms_eps)
+        gate = qg[:, :, D:].reshape(T, H * D)
+        k = b.rms_norm(b.matmul(xn, w.wk).reshape(T, Hkv, D), w.k_norm, hp.rms_eps)
+        v = b.matmul(xn, w.wv).reshape(T, Hkv, D)
+        q = b.rope_neox(q, positions, hp.n_rot, hp.rope_theta)
+        k = b.rope_neox(k, positions, hp.n_rot, hp.rope_theta)
+        p0 = state.n_past
+        state.k_cache[il][:, p0:p0 + T] = k.transpose(1, 0, 2)
+        state.v_cache[il][:, p0:p0 + T] = v.transpose(1, 0, 2)
+        o = b.attention(q, state.k_cache[il], state.v_cache[il], positions, p0 + T, 1.0 / math.sqrt(D))
+        return b.matmul(b.sigmoid_mul(o.reshape(T, H * D), gate), w.wo)
+
+    def _deltanet(self, il: int, w: _DeltaNetWeights, xn: Any, state: Qwen35State, chunked: bool) -> Any:
+        hp, b, xp = self.hparams, self.backend, self.backend.xp
+        T = xn.shape[0]
+        nk, nv, dk, dv = hp.ssm_n_k_heads, hp.ssm_n_v_heads, hp.d_k, hp.d_v
+        qkv = b.matmul(xn, w.w_qkv)                                            # [T, C]
+        z = b.matmul(xn, w.w_gate).reshape(T, nv, dv)
+        beta_logit = b.matmul(xn, w.w_beta)                                    # [T, nv]
+        alpha = b.matmul(xn, w.w_alpha) + w.dt_bias
+        conv_out, state.conv[il] = b.causal_conv1d_silu(qkv, state.conv[il], w.conv)
+        q = b.l2_norm(conv_out[:, :nk * dk].reshape(T, nk, dk), hp.rms_eps)
+        k = b.l2_norm(conv_out[:, nk * dk:2 * nk * dk].reshape(T, nk, dk), hp.rms_eps)
+        v = conv_out[:, 2 * nk * dk:].reshape(T, nv, dv)
+        beta = 1.0 / (1.0 + xp.exp(-beta_logit))
+        # softplus with torch's/ggml's threshold: x itself above 20
+        softplus = xp.where(alpha > 20.0, alpha, xp.log1p(xp.exp(xp.minimum(alpha, 20.0))))
+        g = (w.ssm_a * softplus).astype(xp.float32)                           # log-decay <= 0
+        run = b.deltanet_chunked if chunked else b.deltanet_recurrent
+        o = run(q, k, v, g, beta.astype(xp.float32), state.ssm[il])           # [T, nv, dv]
+        y = b.gated_rms_norm(o, w.ssm_norm, z, hp.rms_eps).reshape(T, nv * dv)
+        return b.matmul(y, w.w_out)
+
+
+# The architecture registry loads every architecture module through `Model.load(path, backend)`.
+Model = Qwen35Model
