@@ -34,7 +34,35 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+# Commands that live beside the code they drive, loaded only when invoked (keeps `--help` and
+# `inspect` from importing ZeroMQ, FastAPI or the model code): name -> "module:attribute".
+LAZY_COMMANDS = {
+    "worker": "daemons.worker_cli:worker",
+    "serve": "router.cli:serve",
+    "router": "router.cli:router",
+}
+
+
+def _unavailable(name: str, why: str) -> click.Command:
+    def fail() -> None:
+        raise click.ClickException(f"'{name}' is unavailable: {why}")
+    return click.Command(name, help=f"(unavailable: {why})", callback=fail)
+
+
 class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx: click.Context, name: str):
+        if name in LAZY_COMMANDS:
+            module, attr = LAZY_COMMANDS[name].split(":")
+            try:
+                return getattr(__import__(module, fromlist=[attr]), attr)
+            except ImportError as e:
+                # e.g. an optional dependency missing: the rest of the CLI keeps working
+                return _unavailable(name, str(e))
+        return super().get_command(ctx, name)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
