@@ -19,6 +19,7 @@ from dataclasses import fields
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +38,13 @@ MIN_EXAMPLES = {"raw": 400, "bodies": 400, "mutations": 450, "array_refs": 400, 
 assert sum(MIN_EXAMPLES.values()) >= 2000
 
 OUTCOMES: Counter = Counter()
-_RSS_START_KB = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+_RSS_START_KB: list[int] = []  # peak RSS when this module's first test starts (not at collection:
+                               # other modules' tests, e.g. torch imports, run in between)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _rss_baseline():
+    _RSS_START_KB.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 def _settings(n: int):
@@ -313,5 +320,5 @@ def test_fuzzing_reached_deep_validation_and_memory_stayed_bounded():
     assert {ErrorCode.BAD_FRAME, ErrorCode.BAD_MESSAGE, ErrorCode.TOO_LARGE,
             ErrorCode.UNKNOWN_MESSAGE_TYPE} <= codes, OUTCOMES
     assert OUTCOMES[None] > 0  # some mutations stay valid (e.g. unknown fields): decode accepted them
-    growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - _RSS_START_KB) / 1024
+    growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - _RSS_START_KB[0]) / 1024
     assert growth_mb < MAX_RSS_GROWTH_MB, f"peak RSS grew by {growth_mb:.0f} MB while fuzzing"
