@@ -40,6 +40,7 @@ LAZY_COMMANDS = {
     "worker": "daemons.worker_cli:worker",
     "serve": "router.cli:serve",
     "router": "router.cli:router",
+    "bench": "daemons.bench:bench",
 }
 
 
