@@ -1,7 +1,16 @@
 """Compute kernels: CPU (numpy/numba) and GPU (CuPy raw kernels) behind `kernels.backend.Backend`."""
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# numba's OpenMP threads spin at barriers by default. A worker runs the model on a compute thread
+# that is not the main thread, and prefill also runs BLAS threads, so spinning teams compete for the
+# cores: measured on 2 cores, a tiny model's first 30-token request took 12 s instead of 0.4 s.
+# Sleeping waiters cost a futex wake per parallel region, small next to a decode step. This must be
+# set before numba loads libgomp (it reads it once), hence here, ahead of every kernel module; an
+# operator's explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def get_backend(device: str = "cpu") -> Any:
