@@ -25,6 +25,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
                          ("daemons.convert", "ConvertError"),
                          ("daemons.sampling", "SamplingError"),
                          ("daemons.generate", "GenerationError"),
+                         ("daemons.dflash", "DraftModelError"),
                          ("kernels.backend", "BackendError"),
                          ("kernels.ggml_quants", "UnsupportedQuantType")):
         try:
@@ -99,9 +100,22 @@ def inspect(file: Path, as_json: bool) -> None:
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
               help="Storage type of the matrices (1-D tensors stay F32, as llama.cpp's converter keeps them).")
-def convert(hf_dir: Path, out: Path, outtype: str) -> None:
-    """Convert a Hugging Face checkpoint (safetensors + config.json + tokenizer.json) to GGUF."""
-    from daemons.convert import convert_hf_to_gguf
+@click.option("--target", "target_gguf", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="DFlash drafts only: copy this target GGUF's tokenizer into the draft (llama.cpp needs one).")
+def convert(hf_dir: Path, out: Path, outtype: str, target_gguf: Path | None) -> None:
+    """Convert a Hugging Face checkpoint (safetensors + config.json + tokenizer.json) to GGUF.
+    A z-lab DFlash draft directory becomes a GGUF in llama.cpp's `dflash` layout."""
+    from daemons.convert import convert_dflash_to_gguf, convert_hf_to_gguf
+    try:
+        archs = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = []                       # convert_hf_to_gguf reports a missing or bad config.json
+    if any("DFlash" in str(a) for a in archs):
+        r = convert_dflash_to_gguf(hf_dir, out, outtype, target_gguf=target_gguf)
+        click.echo(f"wrote {r.path}: dflash draft, {r.outtype}, {r.n_tensors} tensors, {r.n_params:,} parameters")
+        return
+    if target_gguf is not None:
+        raise click.UsageError("--target applies to DFlash draft directories only")
     r = convert_hf_to_gguf(hf_dir, out, outtype)
     click.echo(f"wrote {r.path}: {r.outtype}, {r.n_tensors} tensors, {r.n_params:,} parameters, vocab {r.n_vocab}")
 
@@ -153,12 +167,24 @@ def logits(model_path: Path, tokens: str, out: Path, device: str) -> None:
 @click.option("--seed", default=None, type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ctx-size", "-c", default=None, type=int, help="Context size (default: prompt + max tokens).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, timings.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, timings (and spec).")
+@click.option("--draft", "draft_path", default=None, type=click.Path(exists=True, path_type=Path),
+              help="DFlash draft for speculative decoding: a dflash / qwen35-dflash-draft GGUF or a z-lab "
+                   "directory (config.json + safetensors).")
+@click.option("--draft-max", default=None, type=click.IntRange(min=0),
+              help="Most draft tokens per step [draft block size - 1]; 0 = no speculation.")
+@click.option("--draft-min", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Do not verify drafts shorter than this (after the margin cut).")
+@click.option("--draft-margin", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Cut the draft before the first token whose top-1 - top-2 draft probability is below "
+                   "this (dynamic draft length; 0 = off, ~0.3 is a good start).")
 @_device_option
 def generate(model_path: Path, prompt: str | None, tokens: str | None, chat: bool, max_tokens: int,
              temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-             seed: int | None, stop: tuple[str, ...], ctx_size: int | None, as_json: bool, device: str) -> None:
-    """Generate a continuation of a prompt."""
+             seed: int | None, stop: tuple[str, ...], ctx_size: int | None, as_json: bool,
+             draft_path: Path | None, draft_max: int | None, draft_min: int, draft_margin: float,
+             device: str) -> None:
+    """Generate a continuation of a prompt (speculatively with --draft: same tokens, fewer target steps)."""
     from daemons.architectures import load_model
     from daemons.generate import GenerationRequest, generate as run
     from daemons.sampling import SamplingParams
@@ -167,6 +193,15 @@ def generate(model_path: Path, prompt: str | None, tokens: str | None, chat: boo
     if (prompt is None) == (tokens is None):
         raise click.UsageError("give exactly one of --prompt and --tokens")
     model = load_model(str(model_path), device)
+    speculative = None
+    if draft_path is not None:
+        from daemons.dflash import DFlashDraft, DFlashDrafter
+        from daemons.speculative import SpecParams, SpeculativeDecoder
+        params = SpecParams(draft_max=draft_max, draft_min=draft_min, draft_margin=draft_margin)
+        draft = DFlashDraft.load(draft_path, model)
+        speculative = SpeculativeDecoder(model, DFlashDrafter(draft), params)
+    elif draft_max is not None or draft_min or draft_margin:
+        raise click.UsageError("--draft-max, --draft-min and --draft-margin need --draft")
     tok = Tokenizer.from_metadata(model.metadata, source=str(model_path))
     if tokens is not None:
         ids = _parse_ids(tokens)
@@ -185,7 +220,7 @@ def generate(model_path: Path, prompt: str | None, tokens: str | None, chat: boo
     out_ids: list[int] = []
     parts: list[str] = []
     final = None
-    for ev in run(model, tok, request):
+    for ev in run(model, tok, request, speculative=speculative):
         out_ids.extend(ev.token_ids)
         parts.append(ev.text)
         if not as_json and ev.text:
@@ -193,14 +228,20 @@ def generate(model_path: Path, prompt: str | None, tokens: str | None, chat: boo
         if ev.is_final:
             final = ev
     if as_json:
-        click.echo(json.dumps({"prompt_tokens": len(ids), "tokens": out_ids, "text": "".join(parts),
-                               "finish_reason": final.finish_reason, "timings": final.stats.to_dict()},
-                              ensure_ascii=False))
+        out = {"prompt_tokens": len(ids), "tokens": out_ids, "text": "".join(parts),
+               "finish_reason": final.finish_reason, "timings": final.stats.to_dict()}
+        if final.stats.spec is not None:
+            out["spec"] = final.stats.spec
+        click.echo(json.dumps(out, ensure_ascii=False))
     else:
         s = final.stats
         click.echo("")
         click.echo(f"[{final.finish_reason}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s; "
                    f"generated {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s", err=True)
+        if s.spec is not None:
+            click.echo(f"[spec] drafted {s.spec['drafted']}, accepted {s.spec['accepted']}, "
+                       f"{s.spec['steps']} verify steps, acceptance length {s.spec['acceptance_length']:.2f}",
+                       err=True)
 
 
 def default_model_paths() -> tuple[Path, Path | None] | None:
@@ -225,9 +266,12 @@ def demo() -> None:
                    "file; the trained default pair is a later milestone). Nothing was run.", err=True)
         sys.exit(1)
     target, draft = paths
-    click.echo(f"dflashd demo: {target.name} on the CPU", err=True)
-    click.get_current_context().invoke(generate, model_path=target, prompt=DEMO_PROMPT, chat=True,
-                                       max_tokens=96)
+    # The main job: `dflashd serve` on the embedded pair, one streamed chat request through the
+    # HTTP listener, then its timings (router/demo.py).
+    from router.demo import run_demo
+    click.echo(f"dflashd demo: serving {target.name}" + (f" with draft {draft.name}" if draft else "")
+               + " on the CPU", err=True)
+    run_demo(target, draft, prompt=DEMO_PROMPT)
 
 
 if __name__ == "__main__":

@@ -55,3 +55,19 @@ def test_demo_without_embedded_model_says_so(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["demo"])
     assert r.exit_code == 1
     assert "no embedded default model is installed" in r.output
+
+
+def test_demo_serves_the_default_model_and_prints_a_continuation(tmp_path, monkeypatch):
+    """The main job end to end: models/ holds a target, `demo` starts serve, streams one chat answer
+    and its timings. (A synthetic random model: the text is noise, but it must be real output.)"""
+    import daemons.cli as cli
+    write_synthetic_qwen35(tmp_path / "tiny-target.gguf", "tiny")
+    monkeypatch.setattr(cli, "MODELS_DIR", tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NUMBA_NUM_THREADS="1")
+    code = ("import daemons.cli as c, pathlib, sys; c.MODELS_DIR = pathlib.Path(sys.argv[1]); "
+            "sys.argv = ['dflashd', 'demo']; c.main()")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "serving tiny-target.gguf" in r.stderr
+    assert "tok/s" in r.stdout + r.stderr
