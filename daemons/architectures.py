@@ -1,5 +1,9 @@
 """Architecture registry: `general.architecture` -> the worker module that serves it.
 
+Draft architectures (role "draft": `dflash`, `qwen35-dflash-draft`) are served by `daemons.dflash`,
+which validates their files (`check_file`); they are loaded next to a target
+(`daemons.dflash.DFlashDraft.load(path, target)`), never alone.
+
 The router dispatches a model to a worker by this table; `dflashd inspect` uses it to say what serves
 a file. An architecture whose `worker` is None is recognised (we can inspect and describe its files)
 but no worker serves it yet; `worker_module` says so with a clear error.
@@ -26,8 +30,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen35moe", "Qwen3.5/3.6 MoE: Gated DeltaNet + gated attention + experts", None),
     Architecture("laguna", "Laguna MoE with sliding-window attention", None),
     Architecture("qwen3", "Qwen3 dense transformer", None),
-    Architecture("dflash", "DFlash block-diffusion draft (llama.cpp layout)", None, role="draft"),
-    Architecture("qwen35-dflash-draft", "DFlash draft for qwen35 (Luce layout)", None, role="draft"),
+    Architecture("dflash", "DFlash block-diffusion draft (llama.cpp layout)", "daemons.dflash", role="draft"),
+    Architecture("qwen35-dflash-draft", "DFlash draft for qwen35 (Luce layout)", "daemons.dflash", role="draft"),
 )}
 
 
@@ -50,6 +54,11 @@ def load_model(path: str, device: str = "cpu"):
     from kernels import get_backend
     with GGUFFile(path) as g:
         module = worker_module(g)
+        arch = lookup(g)
+    if arch.role == "draft":
+        # a draft shares its target's embeddings and head: it is loaded next to one (`--draft`)
+        raise ArchitectureNotServedError(path, f"'{arch.name}' is a draft model; load it with its target "
+                                               f"(generate --model TARGET --draft {path})")
     backend = get_backend(device)
     return module.Model.load(path, backend)
 

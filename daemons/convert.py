@@ -43,7 +43,7 @@ from gguf import GGMLQuantizationType as QT
 
 from daemons.gguf_writer import TensorData, Typed, write_gguf
 
-__all__ = ["ConvertError", "ConvertResult", "OUTTYPES", "convert_hf_to_gguf", "read_safetensors",
+__all__ = ["ConvertError", "ConvertResult", "OUTTYPES", "convert_hf_to_gguf", "convert_dflash_to_gguf", "read_safetensors",
            "v_heads_grouped_to_tiled", "v_heads_tiled_to_grouped"]
 
 ARCH = "qwen35"
@@ -117,6 +117,19 @@ class _SafetensorsFile:
             if not 0 <= b0 <= b1 <= self.data_size:
                 raise ConvertError(f"{path}: tensor '{name}' data lies outside the file")
             self.entries[name] = (dtype, shape, int(b0), int(b1))
+
+    def raw(self, name: str) -> tuple[str, tuple[int, ...], np.ndarray, int]:
+        """(dtype, shape, the stored bytes as a read-only uint8 view into the map, file offset) of a
+        tensor, checked for a consistent byte count; F32, F16 and BF16 only (GGUF has those types)."""
+        dtype, shape, b0, b1 = self.entries[name]
+        size = {"F32": 4, "F16": 2, "BF16": 2}.get(dtype)
+        if size is None:
+            raise ConvertError(f"{self.path}: tensor '{name}' has dtype {dtype}; only F32, F16 and BF16 are "
+                               f"supported here")
+        if math.prod(shape) * size != b1 - b0:
+            raise ConvertError(f"{self.path}: tensor '{name}' of {dtype}{list(shape)} has {b1 - b0} bytes")
+        view = np.frombuffer(self._map, dtype=np.uint8, count=b1 - b0, offset=self.data_start + b0)
+        return dtype, shape, view, self.data_start + b0
 
     def load(self, name: str) -> np.ndarray:
         """The tensor as float32 (a copy)."""
@@ -610,3 +623,97 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, o
     return ConvertResult(path=str(out_path), outtype=outtype, n_tensors=len(out),
                          n_params=int(sum(t.data.size for t in out)), n_vocab=cfg.vocab_size)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# DFlash drafts
+# ------------------------------------------------------------------------------------------------
+
+def convert_dflash_to_gguf(zlab_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
+                           *, target_gguf: str | os.PathLike | None = None, name: str | None = None) -> ConvertResult:
+    """Convert a z-lab DFlash draft directory (config.json + *.safetensors, `DFlashDraftModel`) to a
+    GGUF in llama.cpp's `dflash` layout (what llama.cpp's `convert_hf_to_gguf.py` writes for these
+    drafts): `dflash.*` hyperparameters, `dflash.block_size`, `dflash.target_layers` = HF layer id + 1,
+    `tokenizer.ggml.mask_token_id`, optional causal / sliding-window / logit-scale keys; tensors `fc`,
+    `enc.output_norm` (hidden_norm), `output_norm`, `blk.N.{attn_norm, attn_q, attn_k, attn_v,
+    attn_output, attn_q_norm, attn_k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down}`; norms F32, matrices
+    `outtype`. The draft has no vocabulary of its own; with `target_gguf`, that file's `tokenizer.*`
+    keys are copied in (llama.cpp wants a vocabulary to open a model). DFlash2 drafts are refused."""
+    from daemons.dflash import DraftModelError, _check_tensors, _read_zlab
+    d = Path(zlab_dir)
+    if not d.is_dir():
+        raise ConvertError(f"{d}: not a directory (a z-lab DFlash draft directory holds config.json and *.safetensors)")
+    outtype = str(outtype).lower()
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"outtype {outtype!r} is not supported (choose from {', '.join(OUTTYPES)})")
+    try:
+        cfg, tensors = _read_zlab(d)
+        _check_tensors(cfg, tensors)
+    except DraftModelError as e:
+        raise ConvertError(str(e)) from None
+    a = "dflash"
+    assert cfg.target_layer_ids is not None                  # z-lab configs always name them
+    md: dict[str, Any] = {
+        "general.type": "model",
+        "general.name": name or d.resolve().name,
+        "general.quantization_version": GGML_QUANT_VERSION,
+        "general.file_type": _FILE_TYPE[outtype],
+        f"{a}.block_count": cfg.n_layer,
+        f"{a}.context_length": 0,
+        f"{a}.embedding_length": cfg.n_embd,
+        f"{a}.feed_forward_length": cfg.n_ff,
+        f"{a}.attention.head_count": cfg.n_head,
+        f"{a}.attention.head_count_kv": cfg.n_head_kv,
+        f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim,
+        f"{a}.rope.freq_base": cfg.rope_theta,
+        f"{a}.attention.layer_norm_rms_epsilon": cfg.rms_eps,
+        f"{a}.block_size": cfg.block_size,
+        f"{a}.target_layers": Typed([i + 1 for i in cfg.target_layer_ids], _vt("ARRAY"), _vt("INT32")),
+        "tokenizer.ggml.mask_token_id": cfg.mask_token_id,
+    }
+    config = _read_json(d / "config.json", "config.json")
+    if isinstance(config.get("max_position_embeddings"), int):
+        md[f"{a}.context_length"] = config["max_position_embeddings"]
+    if cfg.n_rot != cfg.head_dim:
+        md[f"{a}.rope.dimension_count"] = cfg.n_rot
+    if cfg.causal_layers != cfg.swa_layers:           # the loaders' default: causal exactly on SWA layers
+        if len(set(cfg.causal_layers)) != 1:
+            raise ConvertError(f"{d}: per-layer causal flags {list(cfg.causal_layers)} have no GGUF key "
+                               f"(llama.cpp has one attention.causal for all layers)")
+        md[f"{a}.attention.causal"] = Typed(bool(cfg.causal_layers[0]), _vt("BOOL"))
+    if any(cfg.swa_layers):
+        md[f"{a}.attention.sliding_window"] = int(cfg.sliding_window or 0)
+        md[f"{a}.attention.sliding_window_pattern"] = Typed(list(cfg.swa_layers), _vt("ARRAY"), _vt("BOOL"))
+    if cfg.logit_scale != 1.0:
+        md[f"{a}.logit_scale"] = cfg.logit_scale
+    if cfg.logit_softcap > 0:
+        md[f"{a}.final_logit_softcapping"] = cfg.logit_softcap
+    if cfg.embedding_scale != 1.0:
+        md[f"{a}.embedding_scale"] = cfg.embedding_scale
+    if target_gguf is not None:
+        from gguf import GGUFValueType
+
+        from daemons.gguf_reader import GGUFError, GGUFFile
+        try:
+            with GGUFFile(target_gguf) as t:
+                for key, value in t.metadata.items():
+                    entry = t.metadata_entry(key)
+                    if key.startswith("tokenizer.") and key != "tokenizer.ggml.mask_token_id" and entry is not None:
+                        md[key] = Typed(value, GGUFValueType(entry.vtype),
+                                        GGUFValueType(entry.item_type) if entry.item_type is not None else None)
+        except GGUFError as e:
+            raise ConvertError(str(e)) from None
+    out = []
+    for gname in sorted(tensors, key=_sort_key):
+        data = tensors[gname].dequantize()
+        out.append(TensorData(gname, data, _storage_type(gname, data, OUTTYPES[outtype])))
+    out_path = Path(out_path)
+    if out_path.parent and not out_path.parent.is_dir():
+        raise ConvertError(f"{out_path.parent}: output directory does not exist")
+    try:
+        write_gguf(out_path, a, md, out)
+    except OSError as e:
+        raise ConvertError(f"{out_path}: cannot write: {e.strerror}") from None
+    return ConvertResult(path=str(out_path), outtype=outtype, n_tensors=len(out),
+                         n_params=int(sum(t.data.size for t in out)), n_vocab=0)

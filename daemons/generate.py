@@ -25,6 +25,14 @@ and a tokenizer with ``decode(ids)``; text is streamed through a ``StreamDecoder
 The model state after the loop holds the prompt and every committed token except the last one
 sampled (its logits were never needed); the final event reports ``state`` and ``n_state_tokens``
 so a caller can keep it (prefix caching) or feed the last token itself.
+
+Speculative decoding plugs in through one argument, ``speculative`` (a
+``daemons.speculative.SpeculativeDecoder``): each model step then yields several sampled tokens (the
+accepted draft tokens and the bonus), which go through exactly the per-token handling above, in order;
+the step's tokens are reported in one event. When generation ends in the middle of a step (stop token,
+stop string), the state and the sampler's RNG are cut back to what autoregressive decoding would hold,
+so the final event, the state and the RNG position are the same as without speculation. The final
+stats then carry ``spec`` (drafted, accepted, accepted_per_position, steps, acceptance_length).
 """
 
 from __future__ import annotations
@@ -109,9 +117,12 @@ class GenerationStats:
     decode_tok_s: float  # tokens sampled after the first / decode_s (0 when only one token)
     ttft_s: float  # time to first token: from the call to the first sampled token
     total_s: float
+    # speculative decoding counters (SpecStats.to_dict()), None for autoregressive decoding
+    spec: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The timing figures (``spec`` is reported separately)."""
+        return {k: v for k, v in self.__dict__.items() if k != "spec"}
 
     def to_llama_timings(self) -> dict[str, float | int]:
         """The same figures under llama-server's ``timings`` names."""
@@ -226,6 +237,7 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
     sampler: Sampler | None = None,
     decoder_factory: Callable[[Any], _StreamDecoder] | None = None,
+    speculative: Any = None,
 ) -> Iterator[GenerationEvent]:
     """Generate from ``request`` and stream events (see the module docstring for the conventions).
 
@@ -235,6 +247,8 @@ def generate(
     ``None`` creates ``model.new_state(max_ctx)``.
     ``sampler``: to continue an RNG position (worker snapshots); default ``Sampler(request.sampling)``.
     ``should_stop``: polled before the prefill and before every decode step.
+    ``speculative``: a ``daemons.speculative.SpeculativeDecoder`` over this model (None, or one with
+    draft_max = 0: autoregressive decoding).
     """
     t_start = time.perf_counter()
     prompt = request.prompt_ids
@@ -250,6 +264,8 @@ def generate(
         max_ctx = request.max_ctx  # None: the model enforces its own capacity
     if sampler is None:
         sampler = Sampler(request.sampling)
+    if speculative is not None and not speculative.active:
+        speculative = None
     decoder = (decoder_factory or _default_decoder_factory)(tokenizer)
     matcher = StopStringMatcher(request.stop_strings)
 
@@ -274,6 +290,7 @@ def generate(
             decode_tok_s=(generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0,
             ttft_s=(t_first - t_start) if t_first is not None else 0.0,
             total_s=t_end - t_start,
+            spec=speculative.stats.to_dict() if speculative is not None else None,
         )
         return GenerationEvent(token_ids=(), text=tail, finish_reason=reason, stats=stats,
                                stop_token=stop_token, stop_string=stop_string,
@@ -291,40 +308,64 @@ def generate(
         return
 
     t0 = time.perf_counter()
-    logits = _last_logits(model.prefill(list(prompt[n_cached:]), state))
+    rest = list(prompt[n_cached:])
+    if speculative is not None:
+        logits = _last_logits(speculative.prefill(rest, state, n_cached))
+    else:
+        logits = _last_logits(model.prefill(rest, state))
     prefill_s = time.perf_counter() - t0
     n_state = len(prompt)
 
+    # `tokens`: what the last model step sampled (one token, or a speculative step's accepted drafts
+    # and bonus). Token j of a step is handled exactly as autoregressive decoding handles it, with the
+    # state then holding `n_state` = the step's base + j tokens.
+    tokens = [sampler.sample(logits, history)]
     while True:
-        token = sampler.sample(logits, history)
-        generated += 1
-        if t_first is None:
-            t_first = time.perf_counter()
+        ids: list[int] = []
+        texts: list[str] = []
+        for j, token in enumerate(tokens):
+            if j:
+                n_state += 1
+            generated += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+            end: GenerationEvent | None = None
 
-        if token in request.stop_ids:
-            text, hit = flush_text()
-            yield finish(FINISH_STOP, stop_token=token, stop_string=hit, tail=text)
-            return
+            if token in request.stop_ids:
+                text, hit = flush_text()
+                end = finish(FINISH_STOP, stop_token=token, stop_string=hit, tail=text)
+            else:
+                history.append(token)
+                text, hit = matcher.push(decoder.push(token))
+                ids.append(token)
+                texts.append(text)
+                if hit is not None:
+                    end = finish(FINISH_STOP, stop_string=hit)
+                elif generated >= request.max_tokens or (max_ctx is not None and n_state + 1 > max_ctx):
+                    text, hit = flush_text()
+                    end = finish(FINISH_STOP if hit is not None else FINISH_LENGTH, stop_string=hit, tail=text)
+            if end is not None:
+                if speculative is not None and j + 1 < len(tokens):
+                    speculative.truncate(state, sampler, j + 1)
+                if ids:
+                    yield GenerationEvent(token_ids=tuple(ids), text="".join(texts))
+                yield end
+                return
+        yield GenerationEvent(token_ids=tuple(ids), text="".join(texts))
 
-        history.append(token)
-        text, hit = matcher.push(decoder.push(token))
-        if hit is not None:
-            yield GenerationEvent(token_ids=(token,), text=text)
-            yield finish(FINISH_STOP, stop_string=hit)
-            return
-        yield GenerationEvent(token_ids=(token,), text=text)
-
-        if generated >= request.max_tokens or (max_ctx is not None and n_state + 1 > max_ctx):
-            text, hit = flush_text()
-            yield finish(FINISH_STOP if hit is not None else FINISH_LENGTH, stop_string=hit, tail=text)
-            return
         if should_stop is not None and should_stop():
             text, hit = flush_text()
             yield finish(FINISH_STOP if hit is not None else FINISH_CANCELLED, stop_string=hit, tail=text)
             return
 
-        logits = _last_logits(model.forward([token], state))
-        n_state += 1
+        if speculative is not None:
+            base = n_state
+            tokens = speculative.step(state, tokens[-1], sampler, history, request.max_tokens - generated, max_ctx)
+            n_state = base + 1
+        else:
+            logits = _last_logits(model.forward([tokens[-1]], state))
+            n_state += 1
+            tokens = [sampler.sample(logits, history)]
 
 
 def generate_all(model: Any, tokenizer: Any, request: GenerationRequest, state: Any = None,

@@ -24,7 +24,17 @@ Decisions where the sources differ (math spec §9):
 
 The state (`Qwen35State`) is explicit: a KV cache per attention layer, a conv state and a delta-rule
 state per DeltaNet layer, and `n_past`. `forward` advances it; `copy`, `to_host` and `from_host`
-snapshot and restore it (speculative decoding rolls back with these).
+snapshot and restore it.
+
+Speculative decoding (`daemons.speculative`) verifies a block of tokens with `verify` and keeps an
+accepted prefix with `rollback`. Rollback uses per-token float32 checkpoints, not snapshot-and-replay:
+`verify` runs the DeltaNet recurrence token by token and stores the state after every token, and keeps
+the conv inputs of the block, so any prefix's recurrent state is read back exactly (no second
+forward); KV rows past the kept prefix are left in place, since causal attention never reads a row
+beyond the query's position and the next block overwrites them. `verify` also computes every row
+exactly as a one-token `forward` would (batch invariance, see its docstring), so greedy speculative
+output is token-for-token the greedy autoregressive output, and the rolled-back state is bit-for-bit
+the state autoregressive decoding of the same tokens reaches.
 """
 from __future__ import annotations
 
@@ -38,8 +48,8 @@ import numpy as np
 from daemons.gguf_reader import GGUFFile, GGUFMetadataError, GGUFTensorError
 from kernels.ggml_quants import SUPPORTED_TYPES
 
-__all__ = ["ARCH", "Qwen35HParams", "Qwen35State", "Qwen35Model", "ModelInputError", "StateError",
-           "check_file", "capture_layer_ids"]
+__all__ = ["ARCH", "Qwen35HParams", "Qwen35State", "Qwen35Model", "VerifyRecord", "ModelInputError",
+           "StateError", "check_file", "capture_layer_ids"]
 
 ARCH = "qwen35"
 _FLOAT_TYPES = (0, 1, 30)                       # F32, F16, BF16: small tensors (norms, biases, conv)
@@ -351,6 +361,21 @@ class Qwen35State:
         return self
 
 
+@dataclass
+class VerifyRecord:
+    """What `Qwen35Model.verify` keeps so that `rollback` can cut the state back to any prefix of the
+    block: the state's n_past before the block, and per DeltaNet layer the delta-rule state before the
+    block, the float32 state after each token [T, H_v, d_k, d_v] (memory: T times one layer's state),
+    and the conv inputs [K-1+T, C] (the conv state before the block followed by the block's inputs)."""
+
+    n_past0: int
+    n_tokens: int
+    ssm_before: dict[int, Any]
+    ssm_after: dict[int, Any]          # views [T, ...] of ssm_buffers
+    conv_inputs: dict[int, Any]
+    ssm_buffers: dict[int, Any]        # [capacity >= T, H_v, d_k, d_v], reusable by the next verify
+
+
 # ------------------------------------------------------------------------------------------------
 # model
 # ------------------------------------------------------------------------------------------------
@@ -431,33 +456,91 @@ class Qwen35Model:
         is returned too; then the result is `(logits, {il: float32 host [T, n_embd]})`.
         deltanet_mode: "auto" (chunked form for T > 1, recurrence for one token), "recurrent" or
         "chunked"."""
-        hp, b = self.hparams, self.backend
-        ids = self._check_ids(token_ids)
         if logits not in ("last", "all", "none"):
             raise ModelInputError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
         if deltanet_mode not in ("auto", "recurrent", "chunked"):
             raise ModelInputError(f"deltanet_mode must be 'auto', 'recurrent' or 'chunked', got {deltanet_mode!r}")
+        ids = self._check_call(token_ids, state, capture_layers)
+        use_chunked = deltanet_mode == "chunked" or (deltanet_mode == "auto" and len(ids) > 1)
+        out, captured = self._run(ids, state, logits, capture_layers, use_chunked, record=None)
+        return (out, captured) if capture_layers is not None else out
+
+    def verify(self, token_ids: Sequence[int], state: Qwen35State, capture_layers: Collection[int] | None = None,
+               reuse: VerifyRecord | None = None) -> tuple[np.ndarray, dict[int, np.ndarray], VerifyRecord]:
+        """Forward a speculative block (positions state.n_past ...) and advance `state` by all of it;
+        returns (logits float32 [T, vocab], {il: captured layer output [T, n_embd]}, record). Keep a
+        prefix of the block with `rollback(state, record, n_keep)`.
+
+        Every row is computed as a one-token `forward` at its position computes it, so its logits
+        and the states it leaves are bit-identical to autoregressive decoding: the DeltaNet runs the
+        token-by-token recurrence (storing each token's float32 state), attention runs row by row
+        over kv_len = position + 1 (the softmax then sums exactly the keys a decode step sums), and
+        the matrix products are the backend's batch-invariant ones (CPU: the fused kernel, T <= 32).
+
+        `reuse`: an earlier record of this model whose checkpoint buffers may be overwritten (the
+        caller is done rolling back with it); saves allocating T states per layer every step."""
+        ids = self._check_call(token_ids, state, capture_layers)
+        hp, xp = self.hparams, self.backend.xp
+        T = len(ids)
+        layers = hp.deltanet_layers
+        if reuse is not None and all(il in reuse.ssm_buffers and reuse.ssm_buffers[il].shape[0] >= T for il in layers):
+            buffers = reuse.ssm_buffers
+        else:
+            buffers = {il: xp.empty((T, hp.ssm_n_v_heads, hp.d_k, hp.d_v), dtype=xp.float32) for il in layers}
+        record = VerifyRecord(n_past0=state.n_past, n_tokens=T,
+                              ssm_before={il: state.ssm[il].copy() for il in layers},
+                              ssm_after={il: buffers[il][:T] for il in layers}, conv_inputs={},
+                              ssm_buffers=buffers)
+        out, captured = self._run(ids, state, "all", capture_layers, False, record=record)
+        return out, captured, record
+
+    def rollback(self, state: Qwen35State, record: VerifyRecord, n_keep: int) -> None:
+        """Cut `state` back to the first `n_keep` tokens (0..T) of the block `record` describes; the
+        state must not have moved since that `verify` except by earlier rollbacks of the same block.
+        Conv and DeltaNet states become exactly those after token n_keep-1; KV rows past the kept
+        prefix stay in place (never read: attention is causal) and are overwritten later."""
+        if not 0 <= n_keep <= record.n_tokens:
+            raise ModelInputError(f"rollback keeps {n_keep} tokens of a {record.n_tokens}-token block")
+        if not record.n_past0 <= state.n_past <= record.n_past0 + record.n_tokens:
+            raise StateError(f"state holds {state.n_past} tokens; it cannot be the state of the verified block "
+                             f"at positions {record.n_past0}..{record.n_past0 + record.n_tokens - 1}")
+        xp, km1 = self.backend.xp, self.hparams.conv_kernel - 1
+        for il in self.hparams.deltanet_layers:
+            src = record.ssm_after[il][n_keep - 1] if n_keep else record.ssm_before[il]
+            state.ssm[il][...] = src
+            state.conv[il] = xp.ascontiguousarray(record.conv_inputs[il][n_keep:n_keep + km1]).copy()
+        state.n_past = record.n_past0 + n_keep
+
+    def _check_call(self, token_ids: Sequence[int], state: Qwen35State,
+                    capture_layers: Collection[int] | None) -> np.ndarray:
+        hp = self.hparams
+        ids = self._check_ids(token_ids)
         if state.hparams is not hp and state.hparams != hp:
             raise StateError("state was created for a different model")
-        T = len(ids)
-        if state.n_past + T > state.max_ctx:
-            raise ModelInputError(f"context overflow: {state.n_past} tokens in the state + {T} new > "
+        if state.n_past + len(ids) > state.max_ctx:
+            raise ModelInputError(f"context overflow: {state.n_past} tokens in the state + {len(ids)} new > "
                                   f"max_ctx {state.max_ctx}")
-        capture = set(int(i) for i in capture_layers) if capture_layers is not None else set()
-        bad = [i for i in capture if not 0 <= i < hp.n_layer]
+        bad = [int(i) for i in (capture_layers or ()) if not 0 <= int(i) < hp.n_layer]
         if bad:
             raise ModelInputError(f"capture layer {bad[0]} outside 0..{hp.n_layer - 1}")
-        use_chunked = deltanet_mode == "chunked" or (deltanet_mode == "auto" and T > 1)
+        return ids
 
+    def _run(self, ids: np.ndarray, state: Qwen35State, logits: str, capture_layers: Collection[int] | None,
+             use_chunked: bool, record: VerifyRecord | None) -> tuple[Any, dict[int, np.ndarray]]:
+        """The layer stack. With `record` (verify): row-exact attention, recurrent DeltaNet with
+        per-token checkpoints and conv inputs stored into the record."""
+        hp, b = self.hparams, self.backend
+        T = len(ids)
+        capture = set(int(i) for i in capture_layers) if capture_layers is not None else set()
         positions = np.arange(state.n_past, state.n_past + T, dtype=np.int64)
         x = b.embed(self.token_embd, ids)                                     # [T, d]
         captured: dict[int, np.ndarray] = {}
         for il, layer in enumerate(self.layers):
             xn = b.rms_norm(x, layer.attn_norm, hp.rms_eps)
             if isinstance(layer.mixer, _AttentionWeights):
-                mixed = self._attention(il, layer.mixer, xn, positions, state)
+                mixed = self._attention(il, layer.mixer, xn, positions, state, row_exact=record is not None)
             else:
-                mixed = self._deltanet(il, layer.mixer, xn, state, use_chunked)
+                mixed = self._deltanet(il, layer.mixer, xn, state, use_chunked, record)
             h = x + mixed
             hn = b.rms_norm(h, layer.post_norm, hp.rms_eps)
             x = h + b.matmul(b.silu_mul(b.matmul(hn, layer.ffn_gate), b.matmul(hn, layer.ffn_up)), layer.ffn_down)
@@ -470,7 +553,7 @@ class Qwen35Model:
             sel = x if logits == "all" else x[T - 1:T]
             out = np.asarray(b.to_host(b.matmul(b.rms_norm(sel, self.output_norm, hp.rms_eps), self.output)),
                              dtype=np.float32)
-        return (out, captured) if capture_layers is not None else out
+        return out, captured
 
     def prefill(self, token_ids: Sequence[int], state: Qwen35State, chunk: int = 512, logits: str = "last",
                 capture_layers: Collection[int] | None = None):
@@ -518,7 +601,7 @@ class Qwen35Model:
         return ids
 
     def _attention(self, il: int, w: _AttentionWeights, xn: Any, positions: np.ndarray,
-                   state: Qwen35State) -> Any:
+                   state: Qwen35State, row_exact: bool = False) -> Any:
         hp, b = self.hparams, self.backend
         T, H, Hkv, D = xn.shape[0], hp.n_head, hp.n_head_kv, hp.head_dim
         qg = b.matmul(xn, w.wq).reshape(T, H, 2 * D)
@@ -531,10 +614,17 @@ class Qwen35Model:
         p0 = state.n_past
         state.k_cache[il][:, p0:p0 + T] = k.transpose(1, 0, 2)
         state.v_cache[il][:, p0:p0 + T] = v.transpose(1, 0, 2)
-        o = b.attention(q, state.k_cache[il], state.v_cache[il], positions, p0 + T, 1.0 / math.sqrt(D))
+        scale = 1.0 / math.sqrt(D)
+        if row_exact and T > 1:
+            # one call per row over exactly the keys a decode step at that position would see
+            o = b.xp.concatenate([b.attention(q[t:t + 1], state.k_cache[il], state.v_cache[il], positions[t:t + 1],
+                                              p0 + t + 1, scale) for t in range(T)], axis=0)
+        else:
+            o = b.attention(q, state.k_cache[il], state.v_cache[il], positions, p0 + T, scale)
         return b.matmul(b.sigmoid_mul(o.reshape(T, H * D), gate), w.wo)
 
-    def _deltanet(self, il: int, w: _DeltaNetWeights, xn: Any, state: Qwen35State, chunked: bool) -> Any:
+    def _deltanet(self, il: int, w: _DeltaNetWeights, xn: Any, state: Qwen35State, chunked: bool,
+                  record: VerifyRecord | None = None) -> Any:
         hp, b, xp = self.hparams, self.backend, self.backend.xp
         T = xn.shape[0]
         nk, nv, dk, dv = hp.ssm_n_k_heads, hp.ssm_n_v_heads, hp.d_k, hp.d_v
@@ -542,6 +632,8 @@ class Qwen35Model:
         z = b.matmul(xn, w.w_gate).reshape(T, nv, dv)
         beta_logit = b.matmul(xn, w.w_beta)                                    # [T, nv]
         alpha = b.matmul(xn, w.w_alpha) + w.dt_bias
+        if record is not None:
+            record.conv_inputs[il] = xp.concatenate([state.conv[il], qkv], axis=0)
         conv_out, state.conv[il] = b.causal_conv1d_silu(qkv, state.conv[il], w.conv)
         q = b.l2_norm(conv_out[:, :nk * dk].reshape(T, nk, dk), hp.rms_eps)
         k = b.l2_norm(conv_out[:, nk * dk:2 * nk * dk].reshape(T, nk, dk), hp.rms_eps)
@@ -550,8 +642,12 @@ class Qwen35Model:
         # softplus with torch's/ggml's threshold: x itself above 20
         softplus = xp.where(alpha > 20.0, alpha, xp.log1p(xp.exp(xp.minimum(alpha, 20.0))))
         g = (w.ssm_a * softplus).astype(xp.float32)                           # log-decay <= 0
-        run = b.deltanet_chunked if chunked else b.deltanet_recurrent
-        o = run(q, k, v, g, beta.astype(xp.float32), state.ssm[il])           # [T, nv, dv]
+        if record is not None:
+            o = b.deltanet_recurrent(q, k, v, g, beta.astype(xp.float32), state.ssm[il],
+                                     checkpoints=record.ssm_after[il])
+        else:
+            run = b.deltanet_chunked if chunked else b.deltanet_recurrent
+            o = run(q, k, v, g, beta.astype(xp.float32), state.ssm[il])       # [T, nv, dv]
         y = b.gated_rms_norm(o, w.ssm_norm, z, hp.rms_eps).reshape(T, nv * dv)
         return b.matmul(y, w.w_out)
 
