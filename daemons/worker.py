@@ -15,12 +15,41 @@ lines) or on the architecture (``ModelRuntime`` adapts a model; ``Qwen35Runtime`
   sampler's RNG position) copied into numbered slots in host memory under a byte budget.
 - PARK / UNPARK: drop every reference to the weights (the qwen35 model memory-maps its GGUF, so the
   pages go when the map goes), measure the released resident memory with psutil; reload on UNPARK.
+- Speculative decoding (``--draft``): a DFlash draft loaded next to the target (see "Draft" below).
 
 Prefill schedule (why snapshots restore exactly).  The prompt is prefilled in pieces cut at absolute
 multiples of ``prefill_chunk`` and, when a snapshot is saved, at the save position; the last prompt
 token always goes through the decode loop (``ModelRuntime.decode``).  A run restored from a slot at
 position P therefore executes exactly the model calls the saving run executed after P, and yields
 bit-identical tokens; a slot saved at a chunk boundary also reproduces a run that saved nothing.
+
+Draft (speculative decoding).  With ``WorkerConfig.draft_path`` the runtime loads a DFlash draft
+(``daemons.dflash``: z-lab directory, ``dflash`` GGUF or ``qwen35-dflash-draft`` GGUF) after the
+target and checks it against the target (``create_runtime`` already checks its metadata before the
+target loads, so a bad draft costs no load).  Every GENERATE then decodes through
+``daemons.speculative.SpeculativeDecoder`` with the worker's defaults (``draft_max`` /
+``draft_min`` / ``draft_margin``) overridden field by field by the request's ``speculative``
+options; ``draft_max = 0`` decodes autoregressively (DONE then has no ``spec``).  Speculative output
+is token-identical to autoregressive output (the verify is exact), so a draft only changes speed.
+
+- The draft reads target features at its layer ids.  The worker's own prefill captures them chunk
+  by chunk into the drafter's ``FeatureRing`` (its last ``draft_ctx`` positions), so the draft sees
+  the whole prompt; the decode loop adds the features of every committed token.
+- Snapshots (slots, SNAPSHOT, RESTORE) hold, next to the target state, the draft's features of the
+  positions the state covers (``draft.positions`` / ``draft.features``: at most ``draft_ctx`` rows
+  of ``n_features x n_embd`` float32).  A restore writes them back and empties the draft KV ring,
+  which the next proposal rebuilds from those features in one pass, exactly as the uninterrupted
+  run builds it at its first proposal (its ring, too, is filled lazily from the feature ring).  A
+  snapshot saved during prefill therefore gives the restored run the same proposals, hence the same
+  SpecStats, as the run that never stopped.  (A snapshot of a state left by a finished generation
+  rebuilds rows the original computed a few at a time; BLAS may round those differently, which can
+  change a proposal but never an output token.)  Features are not stored for positions the draft
+  never saw (prompt prefilled while the draft was parked): they are simply absent from its window.
+- PARK: the draft borrows the target's token embedding and output head, so parking the target (or
+  ``all``) unloads the draft first; ``park draft`` unloads the draft alone and generation continues
+  autoregressively.  UNPARK ``target`` reloads the draft too unless it was parked explicitly
+  (``park draft`` / ``park all``); UNPARK ``draft`` / ``all`` bring it back (UNPARK ``draft`` while
+  the target is parked marks it to come back with the target and loads 0 bytes now).
 """
 from __future__ import annotations
 
@@ -44,12 +73,14 @@ from protocol.messages import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
     MAX_CONTEXT,
+    MAX_DRAFT_TOKENS,
     MAX_SLOTS,
     PROTOCOL_VERSION,
     WORKER_ID_RE,
     Cancel,
     Capacity,
     Done,
+    DraftInfo,
     ErrorCode,
     ErrorMessage,
     FinishReason,
@@ -68,6 +99,8 @@ from protocol.messages import (
     SlotInfo,
     Slots,
     Snapshot,
+    SpecStats,
+    SpeculativeOptions,
     Stats,
     StatsReply,
     Timings,
@@ -91,6 +124,11 @@ DEFAULT_SNAPSHOT_BUDGET = 1 << 30
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_QUEUED = 16
 DEFAULT_STALL_TIMEOUT_S = 300.0
+DEFAULT_DRAFT_CTX = 4096  # positions of target features the draft attends over (its ring capacity)
+# Snapshot keys of the draft's part of a state (next to the target state's own keys).
+_DRAFT_PREFIX = "draft."
+_DRAFT_POSITIONS = "draft.positions"
+_DRAFT_FEATURES = "draft.features"
 
 
 class WorkerConfigError(ValueError):
@@ -127,7 +165,12 @@ class WorkerConfig:
 
     model_path: str
     device: str = "cpu"
-    draft_path: str | None = None
+    draft_path: str | None = None  # DFlash draft (GGUF file or z-lab directory); None = no speculation
+    # Speculative defaults for requests that do not say (protocol SpeculativeOptions):
+    draft_max: int | None = None  # most draft tokens per step; None = block size - 1; 0 = autoregressive
+    draft_min: int = 0  # drafts shorter than this (after the margin cut) are not verified
+    draft_margin: float = 0.0  # cut the draft where its top-1 - top-2 probability < this (0 = off)
+    draft_ctx: int = DEFAULT_DRAFT_CTX  # the draft's context window (capped at the context size)
     n_ctx: int = DEFAULT_CTX_SIZE  # tokens one sequence may hold; 0 = the model's trained context
     n_snapshot_slots: int = MAX_SLOTS  # snapshot slots offered (slot numbers 0..n-1)
     snapshot_budget_bytes: int = DEFAULT_SNAPSHOT_BUDGET  # host memory all snapshots may hold
@@ -169,10 +212,50 @@ class WorkerConfig:
             raise bad(f"queue size must be in 0..100000, got {self.max_queued!r}")
         if not isinstance(self.prefill_chunk, int) or not 1 <= self.prefill_chunk <= 65536:
             raise bad(f"prefill chunk (batch size) must be in 1..65536, got {self.prefill_chunk!r}")
+        if self.draft_path is not None and (not isinstance(self.draft_path, str) or not self.draft_path):
+            raise bad("the draft path must be a non-empty string")
+        if self.draft_max is not None and (not _is_int(self.draft_max) or not 0 <= self.draft_max <= MAX_DRAFT_TOKENS):
+            raise bad(f"draft max must be in 0..{MAX_DRAFT_TOKENS} (0 = no speculation), got {self.draft_max!r}")
+        if not _is_int(self.draft_min) or not 0 <= self.draft_min <= MAX_DRAFT_TOKENS:
+            raise bad(f"draft min must be in 0..{MAX_DRAFT_TOKENS}, got {self.draft_min!r}")
+        if self.draft_max is not None and self.draft_min > self.draft_max:
+            raise bad(f"draft min {self.draft_min} exceeds draft max {self.draft_max}")
+        if isinstance(self.draft_margin, bool) or not isinstance(self.draft_margin, (int, float)) \
+                or not 0.0 <= self.draft_margin <= 1.0:
+            raise bad(f"draft margin must be a probability margin in [0, 1] (0 = off), got {self.draft_margin!r}")
+        if not _is_int(self.draft_ctx) or not 1 <= self.draft_ctx <= MAX_CONTEXT:
+            raise bad(f"draft context must be in 1..{MAX_CONTEXT}, got {self.draft_ctx!r}")
+        if self.draft_path is None and (self.draft_max is not None or self.draft_min or self.draft_margin):
+            raise bad("draft max, draft min and draft margin need a draft model")
+
+    def spec_params(self, options: SpeculativeOptions | None = None) -> Any:
+        """The ``daemons.speculative.SpecParams`` of one request: these defaults, each overridden by
+        the request's option when it gives one.  RequestFailed(bad_message) when the result is
+        invalid (draft_min > draft_max, a margin above 1)."""
+        from daemons.speculative import SpecParams, SpeculativeConfigError
+
+        dmax, dmin, margin = self.draft_max, self.draft_min, self.draft_margin
+        if options is not None:
+            if options.draft_max is not None:
+                dmax = options.draft_max
+            if options.draft_min is not None:
+                dmin = options.draft_min
+            if options.draft_margin is not None:
+                margin = options.draft_margin
+        if dmax is not None and dmin > dmax:
+            raise RequestFailed(ErrorCode.BAD_MESSAGE, f"speculative draft_min {dmin} exceeds draft_max {dmax}")
+        try:
+            return SpecParams(draft_max=dmax, draft_min=dmin, draft_margin=float(margin))
+        except SpeculativeConfigError as e:
+            raise RequestFailed(ErrorCode.BAD_MESSAGE, f"speculative options: {e}") from None
 
     @property
     def backend_name(self) -> str:
         return self.device.split(":")[0]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _valid_device(device: str) -> bool:
@@ -211,6 +294,65 @@ def model_fingerprint(path: str, block: int = 64 << 10, n_blocks: int = 64) -> s
     return "sha256-sampled:" + h.hexdigest()
 
 
+def draft_fingerprint(path: str) -> str:
+    """``model_fingerprint`` of a draft: of its GGUF file, or for a z-lab directory (or one of its
+    ``.safetensors`` files) of its config.json and every ``*.safetensors`` file together."""
+    p = os.path.abspath(path)
+    if os.path.isfile(p) and not p.endswith(".safetensors"):
+        return model_fingerprint(p)
+    d = p if os.path.isdir(p) else os.path.dirname(p)
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(d)):
+        if name == "config.json" or name.endswith(".safetensors"):
+            h.update(name.encode() + b"\0" + model_fingerprint(os.path.join(d, name)).encode() + b"\0")
+    return "sha256-dir:" + h.hexdigest()
+
+
+def _draft_model_id(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.isfile(path) and name.endswith(".safetensors"):
+        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    for suffix in (".gguf", ".GGUF"):
+        if name.endswith(suffix):
+            name = name[:-len(suffix)]
+    return name[:256] or "draft"
+
+
+def _draft_own_bytes(draft: Any) -> int:
+    """Bytes of the draft's own weights; the target's embedding and head it borrows are not counted."""
+    def nbytes(w: Any) -> int:
+        return int(getattr(w, "nbytes", 0) or 0)
+
+    total = sum(nbytes(w) for w in (draft.fc, draft.hidden_norm, draft.output_norm))
+    for layer in draft.layers:
+        total += sum(nbytes(getattr(layer, f)) for f in layer.__dataclass_fields__)
+    for name in ("token_embd", "output"):
+        if getattr(draft, name) is not getattr(draft.target, name, None):
+            total += nbytes(getattr(draft, name))
+    return total
+
+
+class _ContinuingDrafter:
+    """The worker's ``DFlashDrafter`` as ``SpeculativeDecoder`` sees it.  The decoder calls
+    ``start`` at the beginning of each decode, which would empty the rings; but the worker has
+    already fed the prompt's features during its own prefill (or restored them from a snapshot) and
+    emptied the rings itself when the sequence began, so ``start`` keeps everything."""
+
+    def __init__(self, drafter: Any):
+        self._drafter = drafter
+        self.capture_layers = drafter.capture_layers
+        self.max_draft = drafter.max_draft
+
+    def start(self, n_cached: int) -> None:
+        pass
+
+    def observe(self, start: int, token_ids: Any, features: Any) -> None:
+        self._drafter.observe(start, token_ids, features)
+
+    def propose(self, n: int, anchor: int, max_tokens: int) -> Any:
+        return self._drafter.propose(n, anchor, max_tokens)
+
+
 # ---- model runtimes --------------------------------------------------------------------------------
 
 class ModelRuntime(abc.ABC):
@@ -232,6 +374,14 @@ class ModelRuntime(abc.ABC):
         self.model_hash = ""
         self.weight_bytes = 0
         self.context_length = 0  # the model's trained context (0 = not stated)
+        # the draft (config.draft_path): kept across parking are its identity and sizes
+        self.draft_path = config.draft_path
+        self.draft: Any = None  # daemons.dflash.DFlashDraft while loaded
+        self.drafter: Any = None  # daemons.dflash.DFlashDrafter (its rings) while loaded
+        self.draft_info: DraftInfo | None = None
+        self.draft_weight_bytes = 0  # the draft's own weights (the borrowed embedding/head excluded)
+        self.draft_ring_bytes = 0  # its feature ring and KV ring
+        self.draft_window = 0
 
     # -- loading -----------------------------------------------------------------------------------
     @property
@@ -269,8 +419,9 @@ class ModelRuntime(abc.ABC):
         self.model_hash = fingerprint
 
     def unload(self) -> None:
-        """Drop every reference this runtime holds to the weights.  The caller collects garbage
-        and measures."""
+        """Drop every reference this runtime holds to the weights (the draft's too: it borrows the
+        target's embedding and output head).  The caller collects garbage and measures."""
+        self.unload_draft()
         model, self.model = self.model, None
         if model is not None:
             self._close_model(model)
@@ -285,6 +436,100 @@ class ModelRuntime(abc.ABC):
 
     def _close_model(self, model: Any) -> None:
         """Release what the model holds beyond Python references (e.g. close its file map)."""
+
+    def read_hparams(self, gguf: Any) -> Any:
+        """The target's hyperparameters from its GGUF metadata alone (n_embd, n_layer, n_vocab), for
+        checking a draft before the weights load; None when the architecture cannot say."""
+        return None
+
+    # -- the draft ---------------------------------------------------------------------------------
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_path is not None
+
+    @property
+    def draft_loaded(self) -> bool:
+        return self.drafter is not None
+
+    def _draft_error(self, e: object) -> WorkerStartupError:
+        return WorkerStartupError(ErrorCode.ADAPTER_UNAVAILABLE,
+                                  f"draft not supported for target {self.path}: {e}")
+
+    def check_draft(self) -> None:
+        """Check the draft's metadata and tensor layout against the target's metadata without loading
+        either (WorkerStartupError naming the problem)."""
+        from daemons.dflash import DraftModelError, read_config
+        from daemons.gguf_reader import GGUFError, GGUFFile
+
+        if self.draft_path is None:
+            return
+        try:
+            with GGUFFile(self.path) as g:
+                hparams = self.read_hparams(g)
+            config, _, f = read_config(self.draft_path)
+            if f is not None:
+                f.close()
+            if hparams is not None:
+                config.bind(hparams)
+        except (DraftModelError, GGUFError, OSError, ValueError) as e:
+            raise self._draft_error(e) from None
+
+    def load_draft(self, window: int) -> None:
+        """Load the draft for the loaded target, with a ``window``-position context ring (its
+        features and KV).  WorkerStartupError when it cannot be used."""
+        from daemons.dflash import DFlashDraft, DFlashDrafter, DraftModelError
+        from daemons.gguf_reader import GGUFError
+        from kernels.backend import BackendError
+
+        if self.draft_path is None or self.drafter is not None:
+            return
+        if self.model is None:
+            raise WorkerStartupError(ErrorCode.ADAPTER_UNAVAILABLE, "the draft needs the target loaded")
+        try:
+            fingerprint = draft_fingerprint(self.draft_path)
+        except OSError as e:
+            raise self._draft_error(f"{self.draft_path}: {e.strerror or e}") from None
+        if self.draft_info is not None and fingerprint != self.draft_info.model_hash:
+            raise WorkerStartupError(ErrorCode.ADAPTER_UNAVAILABLE,
+                                     f"{self.draft_path} changed on disk while parked; restart the worker to serve it")
+        try:
+            draft = DFlashDraft.load(self.draft_path, self.model, self.backend)
+            try:
+                drafter = DFlashDrafter(draft, context_window=window)
+            except BaseException:
+                draft.close()
+                raise
+        except (DraftModelError, GGUFError, BackendError, OSError, ValueError) as e:
+            raise self._draft_error(e) from None
+        except MemoryError:
+            raise WorkerStartupError(ErrorCode.OUT_OF_MEMORY,
+                                     f"{self.draft_path}: out of memory loading the draft") from None
+        self.draft, self.drafter, self.draft_window = draft, drafter, int(window)
+        self.draft_weight_bytes = _draft_own_bytes(draft)
+        self.draft_ring_bytes = int(drafter.features.rows.nbytes) + sum(
+            int(a.nbytes) for a in (*drafter.ring.k, *drafter.ring.v))
+        if self.draft_info is None:
+            self.draft_info = DraftInfo(model_id=_draft_model_id(self.draft_path), model_hash=fingerprint,
+                                        architecture="dflash",
+                                        block_size=min(max(int(draft.block_size), 1), MAX_DRAFT_TOKENS))
+
+    def unload_draft(self) -> None:
+        """Drop the draft and its rings (the target stays)."""
+        draft, self.draft, self.drafter = self.draft, None, None
+        if draft is not None:
+            draft.close()
+        del draft
+
+    def reset_draft_context(self) -> None:
+        """A new sequence starts from an empty state: the draft forgets every position."""
+        if self.drafter is not None:
+            self.drafter.start(0)
+
+    def _draft_snapshot_nbytes(self, n_tokens: int) -> int:
+        if self.drafter is None:
+            return 0
+        rows = min(int(n_tokens), self.draft_window)
+        return rows * (self.drafter.features.width * 4 + 8)
 
     # -- states ------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -304,10 +549,43 @@ class ModelRuntime(abc.ABC):
         """Host bytes ``state_to_host`` produces for a state holding ``n_tokens``."""
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
-        return state.to_host()
+        """The target state, plus the draft's features of the positions it covers (module docstring)."""
+        host = state.to_host()
+        host.update(self.draft_to_host(int(state.n_past)))
+        return host
 
     def state_from_host(self, state: Any, snapshot: dict[str, np.ndarray]) -> None:
-        state.from_host(snapshot)
+        """Restore a ``state_to_host`` snapshot: the target state, and the draft's features (its KV
+        ring is emptied and rebuilt from them at the next proposal)."""
+        state.from_host({k: v for k, v in snapshot.items() if not k.startswith(_DRAFT_PREFIX)})
+        self.draft_from_host(snapshot, int(state.n_past))
+
+    def draft_to_host(self, n_past: int) -> dict[str, np.ndarray]:
+        """The draft's part of a state holding ``n_past`` tokens: the features it has of positions
+        < n_past within its window (empty without a loaded draft)."""
+        if self.drafter is None:
+            return {}
+        start = max(0, n_past - self.drafter.features.capacity)
+        rows, present = self.drafter.features.read(start, n_past)
+        return {_DRAFT_POSITIONS: np.arange(start, n_past, dtype=np.int64)[present],
+                _DRAFT_FEATURES: np.ascontiguousarray(rows[present], dtype=np.float32)}
+
+    def draft_from_host(self, snapshot: dict[str, np.ndarray], n_past: int) -> None:
+        """Make the draft's context that of ``snapshot`` (a state of ``n_past`` tokens): features
+        written back, KV ring emptied (rebuilt from the features at the next proposal)."""
+        if self.drafter is None:
+            return
+        self.drafter.start(0)
+        positions, features = snapshot.get(_DRAFT_POSITIONS), snapshot.get(_DRAFT_FEATURES)
+        ring = self.drafter.features
+        if positions is None or features is None or features.ndim != 2 or features.shape[1] != ring.width:
+            return  # saved while the draft was parked: the draft starts without that context
+        keep = positions < n_past
+        positions, features = positions[keep], features[keep]
+        skip = max(0, len(positions) - ring.capacity)  # a smaller ring keeps the last positions
+        slots = positions[skip:] % ring.capacity
+        ring.rows[slots] = features[skip:]
+        ring.slot_pos[slots] = positions[skip:]
 
     @property
     def n_vocab(self) -> int:
@@ -315,16 +593,30 @@ class ModelRuntime(abc.ABC):
 
     # -- running -----------------------------------------------------------------------------------
     def prefill(self, ids: np.ndarray, state: Any) -> None:
-        """Advance ``state`` by ``ids`` (one model call; nobody reads the logits)."""
-        self.model.prefill(ids, state, chunk=max(len(ids), 1), logits="none")
+        """Advance ``state`` by ``ids`` (one model call; nobody reads the logits).  With a draft
+        loaded, the call also captures the draft's target layers and hands their rows to the
+        drafter (capturing copies layer outputs; it does not change the state's bits)."""
+        if self.drafter is None:
+            self.model.prefill(ids, state, chunk=max(len(ids), 1), logits="none")
+            return
+        layers = tuple(self.drafter.capture_layers)
+        start = int(state.n_past)
+        _, captured = self.model.prefill(ids, state, chunk=max(len(ids), 1), logits="none", capture_layers=layers)
+        self.drafter.observe(start, ids, np.concatenate([captured[il][:len(ids)] for il in layers], axis=1))
 
     def decode(self, request: GenerationRequest, state: Any, *, n_cached: int, sampler: Sampler,
-               should_stop: Callable[[], bool]) -> Iterator[GenerationEvent]:
-        """THE generation call of the worker: every decode goes through here, so speculative
-        decoding (a draft model) replaces this one method.  ``state`` holds ``n_cached`` prompt
-        tokens; the rest of the prompt (at least its last token) is prefilled inside."""
+               should_stop: Callable[[], bool], speculative: Any = None) -> Iterator[GenerationEvent]:
+        """THE generation call of the worker: every decode goes through here.  ``state`` holds
+        ``n_cached`` prompt tokens; the rest of the prompt (at least its last token) is prefilled
+        inside.  ``speculative``: the request's ``SpecParams``; with a loaded draft and draft_max
+        != 0 the decode is speculative (the final event's stats then carry ``spec``), otherwise
+        autoregressive."""
+        decoder = None
+        if self.drafter is not None and speculative is not None and speculative.draft_max != 0:
+            from daemons.speculative import SpeculativeDecoder
+            decoder = SpeculativeDecoder(self.model, _ContinuingDrafter(self.drafter), speculative)
         return generate(self.model, self.tokenizer, request, state, n_cached=n_cached,
-                        should_stop=should_stop, sampler=sampler)
+                        should_stop=should_stop, sampler=sampler, speculative=decoder)
 
 
 class Qwen35Runtime(ModelRuntime):
@@ -339,6 +631,10 @@ class Qwen35Runtime(ModelRuntime):
     def _load_model(self, path: str, backend: Any) -> Any:
         from daemons.qwen35 import Qwen35Model
         return Qwen35Model.load(path, backend)
+
+    def read_hparams(self, gguf: Any) -> Any:
+        from daemons.qwen35 import Qwen35HParams
+        return Qwen35HParams.from_gguf(gguf)
 
     def _after_load(self, model: Any) -> None:
         if self.hparams is not None and model.hparams != self.hparams:
@@ -386,14 +682,16 @@ class Qwen35Runtime(ModelRuntime):
         return self._per_token_kv_bytes() * n_ctx + self._recurrent_bytes()
 
     def snapshot_nbytes(self, n_tokens: int) -> int:
-        return self._per_token_kv_bytes() * n_tokens + self._recurrent_bytes() + 8  # + n_past
+        return (self._per_token_kv_bytes() * n_tokens + self._recurrent_bytes() + 8  # + n_past
+                + self._draft_snapshot_nbytes(n_tokens))
 
 
 RUNTIMES: dict[str, type[ModelRuntime]] = {"qwen35": Qwen35Runtime}
 
 
 def create_runtime(config: WorkerConfig) -> ModelRuntime:
-    """The runtime for the model file's architecture (WorkerStartupError if none serves it)."""
+    """The runtime for the model file's architecture (WorkerStartupError if none serves it, or if
+    the configured draft does not fit the target)."""
     from daemons.architectures import lookup
     from daemons.gguf_reader import GGUFError, GGUFFile
 
@@ -407,7 +705,9 @@ def create_runtime(config: WorkerConfig) -> ModelRuntime:
         raise WorkerStartupError(ErrorCode.ADAPTER_UNAVAILABLE,
                                  f"{config.model_path}: no worker serves architecture '{arch}' yet "
                                  f"(served: {', '.join(sorted(RUNTIMES))})")
-    return cls(config)
+    runtime = cls(config)
+    runtime.check_draft()  # a draft that cannot serve this target fails before the target loads
+    return runtime
 
 
 # ---- the core --------------------------------------------------------------------------------------
@@ -452,6 +752,27 @@ class _Counters:
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # speculative decoding totals over the requests that ran it (protocol SpecStats)
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+    def add_spec(self, spec: SpecStats) -> None:
+        self.spec_drafted += spec.drafted
+        self.spec_accepted += spec.accepted
+        self.spec_steps += spec.steps
+        per = list(self.spec_accepted_per_position)
+        per.extend([0] * (len(spec.accepted_per_position) - len(per)))
+        for i, n in enumerate(spec.accepted_per_position):
+            per[i] += n
+        self.spec_accepted_per_position = tuple(per)
+
+    def spec_totals(self) -> SpecStats:
+        steps = self.spec_steps
+        return SpecStats(drafted=self.spec_drafted, accepted=self.spec_accepted,
+                         accepted_per_position=self.spec_accepted_per_position, steps=steps,
+                         acceptance_length=(self.spec_accepted + steps) / steps if steps else 0.0)
 
 
 _CONTROL = (Snapshot, Restore, FreeSnapshot, ListSlots, Park, Unpark)
@@ -489,6 +810,10 @@ class WorkerCore:
         # Progress of the compute loop, read by the stall watchdog (monotonic seconds; None = idle).
         self.busy_since: float | None = None
         self._hb_seq = 0
+        # False after `park draft` / `park all`: the draft stays parked when the target comes back
+        self._draft_wanted = True
+        # The current state's draft features while the draft is parked (PARK keeps the current state).
+        self._parked_draft_context: dict[str, np.ndarray] | None = None
 
     # -- start ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -505,9 +830,16 @@ class WorkerCore:
             raise WorkerStartupError(ErrorCode.OUT_OF_MEMORY,
                                      f"no memory for a {self.n_ctx}-token state "
                                      f"({rt.state_nbytes(self.n_ctx)} bytes); lower --ctx-size") from None
+        if rt.has_draft:
+            rt.load_draft(min(self.config.draft_ctx, self.n_ctx))
         log.info("loaded %s (%s, %.1f MiB of weights) on %s; context %d, %d snapshot slots, budget %d bytes",
                  rt.path, rt.architecture, rt.weight_bytes / 2**20, self.config.device, self.n_ctx,
                  self.config.n_snapshot_slots, self.config.snapshot_budget_bytes)
+        if rt.draft_loaded:
+            c = self.config
+            log.info("draft %s: block size %d, context window %d; defaults draft_max=%s draft_min=%d "
+                     "draft_margin=%g", rt.draft_path, rt.draft.block_size, rt.draft_window,
+                     "block-1" if c.draft_max is None else c.draft_max, c.draft_min, c.draft_margin)
 
     @property
     def model_id(self) -> str:
@@ -524,8 +856,9 @@ class WorkerCore:
             device=self.config.device,
             capacity=Capacity(n_ctx=self.n_ctx, n_slots=self.config.n_snapshot_slots,
                               snapshot_bytes=self.config.snapshot_budget_bytes,
-                              memory_bytes=rt.weight_bytes + rt.state_nbytes(self.n_ctx)),
-            pid=os.getpid(), hostname=socket.gethostname()[:255] or None)
+                              memory_bytes=rt.weight_bytes + rt.state_nbytes(self.n_ctx)
+                              + rt.draft_weight_bytes + rt.draft_ring_bytes),
+            draft=rt.draft_info, pid=os.getpid(), hostname=socket.gethostname()[:255] or None)
 
     # -- I/O-thread entry points ------------------------------------------------------------------
     def submit(self, msg: Message) -> None:
@@ -633,7 +966,11 @@ class WorkerCore:
         return Heartbeat(worker_id=self.worker_id, seq=self._hb_seq, time=time.time(), load=self.load())
 
     def parked_targets(self) -> tuple[ParkTarget, ...]:
-        return () if self.runtime.loaded else (ParkTarget.TARGET,)
+        rt = self.runtime
+        out = () if rt.loaded else (ParkTarget.TARGET,)
+        if rt.has_draft and not rt.draft_loaded:
+            out += (ParkTarget.DRAFT,)
+        return out
 
     def stats(self, request_id: str | None = None) -> StatsReply:
         with self._lock:
@@ -645,7 +982,8 @@ class WorkerCore:
             requests_completed=c.completed, requests_failed=c.failed, active=active, queued=queued,
             prompt_tokens_total=c.prompt_tokens, completion_tokens_total=c.completion_tokens,
             parked=self.parked_targets(), rss_bytes=memory.rss_bytes(),
-            snapshot_bytes_used=self.snapshot_bytes_used(), request_id=request_id)
+            snapshot_bytes_used=self.snapshot_bytes_used(),
+            spec=c.spec_totals() if self.runtime.has_draft or c.spec_steps else None, request_id=request_id)
 
     def snapshot_bytes_used(self) -> int:
         return sum(s.nbytes for s in list(self._slots.values()))
@@ -698,6 +1036,7 @@ class WorkerCore:
         self._current_tokens = None
         self._current_sampler = None
         self._current_sampling = None
+        self._parked_draft_context = None
 
     def _run_generate(self, msg: Generate) -> None:
         rid = msg.request_id
@@ -749,6 +1088,8 @@ class WorkerCore:
         if n + msg.max_tokens > self.n_ctx:
             raise RequestFailed(ErrorCode.CONTEXT_OVERFLOW,
                                 f"prompt ({n}) + max_tokens ({msg.max_tokens}) exceeds the context ({self.n_ctx})")
+        # A worker without a (loaded) draft ignores the request's speculative options.
+        spec_params = self.config.spec_params(msg.speculative) if rt.draft_loaded else None
         snap = msg.snapshot
         restore: SnapshotSlot | None = None
         if snap is not None and snap.restore_slot is not None:
@@ -773,6 +1114,7 @@ class WorkerCore:
             rt.state_from_host(state, restore.state)
         else:
             rt.reset_state(state)
+            rt.reset_draft_context()
         # From here on the current state is being rewritten.
         self._drop_current()
         sampler = Sampler(msg.sampling)
@@ -815,7 +1157,7 @@ class WorkerCore:
             self._set_current(state, prompt, sampler, msg.sampling)
             self._finish(active, FinishReason.LENGTH, n, 0, cached, prefill_s, 0.0, 0.0, saved)
             return
-        self._decode(msg, prompt, state, sampler, active, cached, prefill_s, t_start, saved)
+        self._decode(msg, prompt, state, sampler, active, cached, prefill_s, t_start, saved, spec_params)
 
     def _step_or_cancel(self, active: _Active) -> None:
         """Called before every prefill chunk: a model step may begin unless cancelled."""
@@ -825,7 +1167,7 @@ class WorkerCore:
         active.steps += 1
 
     def _decode(self, msg: Generate, prompt: np.ndarray, state: Any, sampler: Sampler, active: _Active,
-                cached: int, prefill_s: float, t_start: float, saved: SlotInfo | None) -> None:
+                cached: int, prefill_s: float, t_start: float, saved: SlotInfo | None, spec_params: Any) -> None:
         rt = self.runtime
         n = int(prompt.shape[0])
         stop_ids = frozenset(msg.stop_ids) | frozenset(rt.tokenizer.stop_ids)
@@ -841,7 +1183,8 @@ class WorkerCore:
 
         generated: list[int] = []
         final: GenerationEvent | None = None
-        for ev in rt.decode(request, state, n_cached=n - 1, sampler=sampler, should_stop=should_stop):
+        for ev in rt.decode(request, state, n_cached=n - 1, sampler=sampler, should_stop=should_stop,
+                            speculative=spec_params):
             if ev.is_final:
                 final = ev
                 break
@@ -862,16 +1205,24 @@ class WorkerCore:
         self._set_current(state, np.concatenate([prompt, np.asarray(generated[:in_state], dtype=np.int32)]),
                           sampler, msg.sampling)
         st = final.stats
+        spec = None
+        if st.spec is not None:
+            s = st.spec
+            spec = SpecStats(drafted=s["drafted"], accepted=s["accepted"],
+                             accepted_per_position=tuple(s["accepted_per_position"]), steps=s["steps"],
+                             acceptance_length=float(s["acceptance_length"]))
         self._finish(active, FinishReason(final.finish_reason), n, n_completion, cached,
                      prefill_s + st.prefill_s, st.decode_s, prefill_s + st.ttft_s, saved,
-                     predicted_per_second=st.decode_tok_s)
+                     predicted_per_second=st.decode_tok_s, spec=spec)
 
     def _finish(self, active: _Active, reason: FinishReason, n_prompt: int, n_completion: int, cached: int,
                 prompt_s: float, decode_s: float, ttft_s: float, saved: SlotInfo | None,
-                predicted_per_second: float | None = None) -> None:
+                predicted_per_second: float | None = None, spec: SpecStats | None = None) -> None:
         with self._lock:
             self._counters.completed += 1
             self._counters.completion_tokens += n_completion
+            if spec is not None:
+                self._counters.add_spec(spec)
         if active.cancelled:
             self.last_cancel = CancelReport(active.request_id, active.tokens_at_cancel, n_completion,
                                             active.steps - active.steps_at_cancel)
@@ -885,7 +1236,7 @@ class WorkerCore:
                           ttft_ms=ttft_s * 1e3)
         self.sink(Done(request_id=active.request_id, finish_reason=reason,
                        usage=Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, cached_tokens=cached),
-                       timings=timings, saved=saved))
+                       timings=timings, spec=spec, saved=saved))
 
     def _set_current(self, state: Any, tokens: np.ndarray, sampler: Sampler, sampling: SamplingParams) -> None:
         if int(state.n_past) != int(tokens.shape[0]):  # a bookkeeping bug would corrupt every restore
@@ -935,6 +1286,8 @@ class WorkerCore:
             sampling = self._current_sampling
             self._check_budget(slot, self.runtime.snapshot_nbytes(int(self._current_tokens.shape[0])))
             host = self.runtime.state_to_host(self._state)
+            if self._parked_draft_context is not None and not self.runtime.draft_loaded:
+                host.update(self._parked_draft_context)  # the parked draft's part of the current state
             nbytes = memory.host_nbytes(host) + int(self._current_tokens.nbytes)
             self._check_budget(slot, nbytes)
             self._slots[slot] = SnapshotSlot(tokens=self._current_tokens.copy(), state=host,
@@ -947,6 +1300,9 @@ class WorkerCore:
                 raise RequestFailed(ErrorCode.EMPTY_SLOT, f"slot {slot} is empty")
             self._drop_current()
             self.runtime.state_from_host(self._state, saved.state)
+            if not self.runtime.draft_loaded:  # kept for the draft's return (unpark)
+                self._parked_draft_context = {k: v for k, v in saved.state.items()
+                                              if k.startswith(_DRAFT_PREFIX)} or None
             self._current_tokens = saved.tokens.copy()
             self._current_sampler = saved.sampler_state
             self._current_sampling = saved.sampling
@@ -967,36 +1323,72 @@ class WorkerCore:
 
     # -- park / unpark --------------------------------------------------------------------------
     def park(self, target: ParkTarget = ParkTarget.ALL) -> int:
-        """Free the weights (target / all; this worker has no draft).  Returns the resident bytes
-        released, measured.  Parking what is parked releases 0."""
-        if target == ParkTarget.DRAFT or not self.runtime.loaded:
+        """Free weights; returns the resident bytes released, measured.  ``draft``: the draft alone
+        (generation goes on autoregressively); ``target`` / ``all``: the target, and the draft with
+        it since it borrows the target's embedding and output head.  ``draft`` and ``all`` also keep
+        the draft parked when the target comes back (see ``unpark``).  Parking what is parked (or a
+        draft this worker does not have) releases 0."""
+        rt = self.runtime
+        target = ParkTarget(target)
+        if target in (ParkTarget.DRAFT, ParkTarget.ALL) and rt.has_draft:
+            self._draft_wanted = False
+        if target == ParkTarget.DRAFT:
+            if not rt.draft_loaded:
+                return 0
+            self._keep_draft_context()
+            return self._measure_release(rt.unload_draft, rt.draft_path, rt.draft_weight_bytes)
+        if not rt.loaded:
             return 0
+        self._keep_draft_context()
+        return self._measure_release(rt.unload, rt.path, rt.weight_bytes + rt.draft_weight_bytes)
+
+    def _keep_draft_context(self) -> None:
+        cur = self._current_tokens
+        if self.runtime.draft_loaded and cur is not None:
+            self._parked_draft_context = self.runtime.draft_to_host(int(cur.shape[0]))
+
+    def _measure_release(self, unload: Callable[[], None], path: str, weights: int) -> int:
         memory.release_freed_memory()
         before = memory.rss_bytes()
-        self.runtime.unload()
+        unload()
         memory.release_freed_memory()
         after = memory.rss_bytes()
-        still_mapped = memory.mapped_file_bytes(self.runtime.path)
+        still_mapped = memory.mapped_file_bytes(path) if os.path.isfile(path) else 0
         if still_mapped:  # something still references the weights: say so rather than pretend
-            log.warning("parked, but %d bytes of %s are still mapped", still_mapped, self.runtime.path)
+            log.warning("parked, but %d bytes of %s are still mapped", still_mapped, path)
         released = max(0, before - after)
-        log.info("parked %s: RSS %d -> %d bytes (released %d; weights %d)", self.runtime.path, before, after,
-                 released, self.runtime.weight_bytes)
+        log.info("parked %s: RSS %d -> %d bytes (released %d; weights %d)", path, before, after, released, weights)
         return released
 
     def unpark(self, target: ParkTarget = ParkTarget.ALL) -> tuple[int, float]:
-        """Reload parked weights; (bytes of weights mapped, milliseconds).  Already loaded: (0, 0)."""
-        if target == ParkTarget.DRAFT or self.runtime.loaded:
-            return 0, 0.0
+        """Reload parked weights; (bytes of weights loaded, milliseconds).  ``target`` brings the
+        draft back too unless it was parked explicitly; ``draft`` / ``all`` always want it back
+        (``draft`` while the target is parked only marks it: it loads with the target).  Nothing
+        to load: (0, 0)."""
+        rt = self.runtime
+        target = ParkTarget(target)
+        if target in (ParkTarget.DRAFT, ParkTarget.ALL) and rt.has_draft:
+            self._draft_wanted = True
         t0 = time.perf_counter()
+        loaded = 0
         try:
-            self.runtime.load()
+            if target != ParkTarget.DRAFT and not rt.loaded:
+                rt.load()
+                loaded += rt.weight_bytes
+                log.info("unparked %s in %.1f ms", rt.path, (time.perf_counter() - t0) * 1e3)
+            if rt.has_draft and self._draft_wanted and rt.loaded and not rt.draft_loaded:
+                rt.load_draft(min(self.config.draft_ctx, self.n_ctx))
+                loaded += rt.draft_weight_bytes
+                kept, self._parked_draft_context = self._parked_draft_context, None
+                if kept is not None and self._current_tokens is not None:
+                    rt.draft_from_host(kept, int(self._current_tokens.shape[0]))
+                log.info("unparked draft %s", rt.draft_path)
         except WorkerStartupError as e:
             raise RequestFailed(ErrorCode.ADAPTER_UNAVAILABLE if e.code != ErrorCode.OUT_OF_MEMORY else e.code,
                                 str(e)) from None
-        ms = (time.perf_counter() - t0) * 1e3
-        log.info("unparked %s in %.1f ms", self.runtime.path, ms)
-        return self.runtime.weight_bytes, ms
+        if not loaded:
+            return 0, 0.0
+        return loaded, (time.perf_counter() - t0) * 1e3
 
 
 def _done(rid: str, reason: FinishReason, n_prompt: int, n_completion: int, cached: int) -> Done:

@@ -4,6 +4,12 @@ Flags follow llama-server's spellings where one exists (``--model/-m``, ``--ctx-
 ``--batch-size/-b``, ``--alias/-a``).  Snapshot slots are not llama-server's ``--parallel`` slots
 (concurrent sequences): they are saved states in host memory, hence ``--snapshot-slots`` (alias
 ``--slots``) and ``--snapshot-budget``.  No setting is read from the environment.
+
+Speculative decoding: ``--draft`` (llama-server's ``--model-draft/-md``) names a DFlash draft (a
+``dflash`` or ``qwen35-dflash-draft`` GGUF, or a z-lab directory); ``--draft-max`` / ``--draft-min``
+(llama-server's spellings) and ``--draft-margin`` set the defaults each GENERATE's ``speculative``
+options override; ``--ctx-size-draft`` (llama-server's ``-cd``) the draft's context window.  A draft
+that does not fit the target stops the worker before it serves: exit status 2, one line on stderr.
 """
 from __future__ import annotations
 
@@ -34,9 +40,19 @@ def _byte_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.command("worker", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "-m", "model_path", required=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Target model (GGUF).")
-@click.option("--draft", "--model-draft", "-md", "draft_path", default=None,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="DFlash draft model (GGUF) for speculative decoding.")
+@click.option("--draft", "--model-draft", "-md", "draft_path", default=None, type=click.Path(path_type=Path),
+              help="DFlash draft for speculative decoding: a dflash / qwen35-dflash-draft GGUF or a z-lab "
+                   "directory (config.json + safetensors).")
+@click.option("--draft-max", "--draft-n", "draft_max", default=None, type=click.IntRange(0, 256),
+              help="Most draft tokens per step [draft block size - 1]; 0 = no speculation.  Requests may override.")
+@click.option("--draft-min", "--draft-n-min", "draft_min", default=0, show_default=True, type=click.IntRange(0, 256),
+              help="Do not verify drafts shorter than this (after the margin cut).")
+@click.option("--draft-margin", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Cut the draft before the first token whose top-1 - top-2 draft probability is below this "
+                   "(dynamic draft length; 0 = off).")
+@click.option("--ctx-size-draft", "-cd", "draft_ctx", default=4096, show_default=True,
+              type=click.IntRange(1, 1 << 24),
+              help="Positions of target features the draft attends over (capped at --ctx-size).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or hip:N")
 @click.option("--connect", "endpoint", default=None, metavar="tcp://HOST:PORT",
               help="Router to join (ZeroMQ DEALER -> ROUTER).")
@@ -63,7 +79,8 @@ def _byte_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
               help="Seconds one compute step may run before the worker declares itself hung and exits (0 = off).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def worker(model_path: Path, draft_path: Path | None, device: str, endpoint: str | None, stdio: bool,
+def worker(model_path: Path, draft_path: Path | None, draft_max: int | None, draft_min: int, draft_margin: float,
+           draft_ctx: int, device: str, endpoint: str | None, stdio: bool,
            stream_fd: int | None, n_ctx: int, prefill_chunk: int, n_slots: int, snapshot_budget: int,
            worker_id: str | None, alias: str | None, queue_size: int, heartbeat_interval: float,
            heartbeat_liveness: int, stall_timeout: float, log_level: str) -> None:
@@ -76,16 +93,19 @@ def worker(model_path: Path, draft_path: Path | None, device: str, endpoint: str
         raise click.UsageError("--stream-fd belongs to --stdio")
     if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise click.UsageError(f"--connect takes a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {endpoint!r}")
-    if draft_path is not None:
-        # The DFlash draft path plugs into ModelRuntime.decode; until it lands, refuse rather than
-        # silently serving without the draft the operator asked for.
-        _fail(f"--draft {draft_path}: speculative decoding with a draft model is not supported by this "
-              f"worker yet; start it without --draft")
+    if draft_path is None and (draft_max is not None or draft_min or draft_margin):
+        _fail("--draft-max, --draft-min and --draft-margin need --draft")
+    if draft_path is not None and not draft_path.exists():
+        _fail(f"--draft {draft_path}: no such file or directory")
+    if draft_max is not None and draft_min > draft_max:
+        _fail(f"--draft-min {draft_min} exceeds --draft-max {draft_max}")
     try:
         config = WorkerConfig(model_path=str(model_path), device=device, n_ctx=n_ctx, n_snapshot_slots=n_slots,
                               snapshot_budget_bytes=snapshot_budget, worker_id=worker_id, model_alias=alias,
                               heartbeat_interval_s=heartbeat_interval, heartbeat_liveness=heartbeat_liveness,
-                              stall_timeout_s=stall_timeout, max_queued=queue_size, prefill_chunk=prefill_chunk)
+                              stall_timeout_s=stall_timeout, max_queued=queue_size, prefill_chunk=prefill_chunk,
+                              draft_path=str(draft_path) if draft_path is not None else None, draft_max=draft_max,
+                              draft_min=draft_min, draft_margin=draft_margin, draft_ctx=draft_ctx)
     except WorkerConfigError as e:
         _fail(str(e))
 

@@ -13,6 +13,10 @@ so both transports share one code path.  Threads:
 - the **compute** thread runs ``WorkerCore.run``; the core's TOKENS go straight to the stream fd.
 
 Logs go to stderr; stdout carries only the ready banner and reply lines.
+
+With a draft (``--draft``) every generation is speculative by default, as in the reference daemon
+(the stdio commands carry no per-request options: the worker's ``--draft-max/-min/-margin`` apply),
+and its ``ok`` line ends with the speculative counters (``format_spec_fields``).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from protocol.messages import (
     Parked,
     Slots,
     Snapshot,
+    SpecStats,
     Tokens,
     Unpark,
     Unparked,
@@ -65,7 +70,7 @@ from protocol.stdio import (
     read_prompt_file,
 )
 
-__all__ = ["StdioWorker", "run_stdio_worker", "READY_BANNER"]
+__all__ = ["StdioWorker", "run_stdio_worker", "format_spec_fields", "READY_BANNER"]
 
 log = logging.getLogger("dflashd.worker")
 
@@ -296,15 +301,25 @@ class StdioWorker:
             except OSError as e:
                 log.error("stream fd %s: %s", self.stream_fd, e)
         if isinstance(reply, Done):
-            self.reply(format_generate_ok(
+            line = format_generate_ok(
                 n_prompt=reply.usage.prompt_tokens, n_gen=reply.usage.completion_tokens,
                 prefill_s=reply.timings.prompt_ms / 1e3, decode_s=reply.timings.predicted_ms / 1e3,
                 finish_reason=reply.finish_reason, stream_fd=self.stream_fd, restore_slot=cmd.restore_slot,
                 prefix_len=reply.usage.cached_tokens,
                 snap_slot=reply.saved.slot if reply.saved is not None else None,
-                snap_pos=reply.saved.n_tokens if reply.saved is not None else None))
+                snap_pos=reply.saved.n_tokens if reply.saved is not None else None)
+            if reply.spec is not None:
+                line += format_spec_fields(reply.spec)
+            self.reply(line)
         else:
             self.reply(format_err(reply.code))
+
+
+def format_spec_fields(spec: SpecStats) -> str:
+    """The speculative counters appended to a generation's ``ok`` line (llama-server's timings
+    names for drafted / accepted): `` draft_n=.. draft_n_accepted=.. spec_steps=.. accept_len=..``."""
+    return (f" draft_n={spec.drafted} draft_n_accepted={spec.accepted} spec_steps={spec.steps}"
+            f" accept_len={spec.acceptance_length:.3f}")
 
 
 def run_stdio_worker(config: WorkerConfig, stream_fd: int | None) -> int:

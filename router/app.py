@@ -260,8 +260,13 @@ def llama_timings(done: Done) -> dict[str, Any]:
         "predicted_per_second": t.predicted_per_second, "ttft_ms": t.ttft_ms,
     }
     if done.spec is not None:
-        out["draft_n"] = done.spec.drafted
-        out["draft_n_accepted"] = done.spec.accepted
+        # llama-server's two names, then the rest of the worker's SpecStats under the same prefix
+        s = done.spec
+        out["draft_n"] = s.drafted
+        out["draft_n_accepted"] = s.accepted
+        out["draft_n_steps"] = s.steps
+        out["draft_accepted_per_position"] = list(s.accepted_per_position)
+        out["draft_acceptance_length"] = s.acceptance_length
     return out
 
 
@@ -349,12 +354,36 @@ class RouterService:
 
     @staticmethod
     def speculative_for(body: Any) -> SpeculativeOptions | None:
-        spec = getattr(body, "speculative", None)
-        if spec is None:
+        """The GENERATE's speculative options from a body's `speculative` object and/or llama-server's
+        flat `speculative.n_max` / `.n_min` / `.p_min` keys (absent = the worker's default).  One
+        knob given twice with different values is a 400."""
+        nested = getattr(body, "speculative", None)
+        values: dict[str, Any] = {}
+
+        def give(knob: str, value: Any, param: str) -> None:
+            if value is None:
+                return
+            if knob in values and values[knob][0] != value:
+                raise ApiError(400, f"{param} = {value!r} contradicts {values[knob][1]} = {values[knob][0]!r}",
+                               param=param)
+            values[knob] = (value, param)
+
+        if nested is not None:
+            give("draft_max", nested.n_max, "speculative.n_max")
+            give("draft_min", nested.n_min, "speculative.n_min")
+            give("draft_margin", nested.p_min, "speculative.p_min")
+            give("draft_margin", nested.margin, "speculative.margin")
+        give("draft_max", getattr(body, "speculative_n_max", None), "speculative.n_max")
+        give("draft_min", getattr(body, "speculative_n_min", None), "speculative.n_min")
+        give("draft_margin", getattr(body, "speculative_p_min", None), "speculative.p_min")
+        if not values:
             return None
-        if spec.n_max is not None and spec.n_min is not None and spec.n_min > spec.n_max:
+        dmax, dmin = values.get("draft_max", (None,))[0], values.get("draft_min", (None,))[0]
+        if dmax is not None and dmin is not None and dmin > dmax:
             raise ApiError(400, "speculative.n_min exceeds speculative.n_max", param="speculative.n_min")
-        return SpeculativeOptions(draft_max=spec.n_max, draft_min=spec.n_min, draft_margin=spec.margin)
+        margin = values.get("draft_margin", (None,))[0]
+        return SpeculativeOptions(draft_max=dmax, draft_min=dmin,
+                                  draft_margin=float(margin) if margin is not None else None)
 
     def _text(self, entry: ModelEntry) -> ModelText:
         if entry.text is None:
@@ -828,6 +857,25 @@ def create_app(service: RouterService, *, manage_service: bool = True) -> FastAP
 
     app.add_api_route("/models", list_models, methods=["GET"], include_in_schema=False)
 
+    def speculative_props(mid: str) -> dict | None:
+        """The draft settings of a model: the speculative defaults its local workers were started
+        with (the workers' own defaults where the config says nothing: draft_max = block size - 1,
+        draft_min = 0, draft_margin = 0 = off), and what the workers' HELLOs report.  Workers that
+        joined from elsewhere have defaults the router does not know (null)."""
+        spec = next((m for m in svc.config.models if m.id == mid), None)
+        hellos = [w.hello.draft for w in svc.registry.workers.values() if w.model == mid and w.hello.draft is not None]
+        local = spec is not None and spec.draft is not None and bool(spec.workers)
+        if not local and not hellos:
+            return None
+        block = max((d.block_size for d in hellos if d.block_size is not None), default=None)
+        draft_max = spec.draft_max if local else None
+        if local and draft_max is None and block is not None:
+            draft_max = block - 1
+        return {"draft": str(spec.draft) if local else None, "draft_models": sorted({d.model_id for d in hellos}),
+                "block_size": block, "draft_max": draft_max,
+                "draft_min": (spec.draft_min or 0) if local else None,
+                "draft_margin": (spec.draft_margin or 0.0) if local else None}
+
     @app.get("/props")
     async def props():
         reg = svc.registry
@@ -840,6 +888,7 @@ def create_app(service: RouterService, *, manage_service: bool = True) -> FastAP
             card["chat_template"] = entry.text.template.source if entry.text and entry.text.template else None
             card["drafts"] = sorted({w.hello.draft.model_id for w in reg.workers.values()
                                      if w.model == mid and w.hello.draft is not None})
+            card["speculative"] = speculative_props(mid)
             models.append(card)
         return {"build_info": f"dflashd {VERSION}", "uptime_s": time.time() - svc.started_at,
                 "worker_endpoint": svc.hub.endpoint, "n_predict": s.n_predict,

@@ -1,7 +1,8 @@
 """`dflashd serve` (router + local workers) and `dflashd router` (router alone).
 
     dflashd serve --config dflashd.toml
-    dflashd serve --model M.gguf [--draft D.gguf] [--device cuda:0 --device hip:0 | --workers N]
+    dflashd serve --model M.gguf [--draft D.gguf [--draft-max N] [--draft-min N] [--draft-margin P]]
+                  [--device cuda:0 --device hip:0 | --workers N]
                   [--host H] [--port P] [--ctx-size N] [--alias NAME] [--api-key K | --api-key-file F]
     dflashd router --bind tcp://0.0.0.0:5555 [--model M.gguf ...] [--host H] [--port P]
 
@@ -31,6 +32,7 @@ from router.config import (
     ConfigError,
     ModelSpec,
     WorkerSpec,
+    check_draft_options,
     check_endpoint,
     check_model_id,
     check_unique_names,
@@ -220,11 +222,17 @@ def _apply_common(cfg: Config, host, port, api_keys, api_key_file, n_predict, lo
 
 
 def _model_from_flags(path: Path, draft: Path | None, alias: str | None, ctx_size: int | None,
-                      devices: tuple[str, ...], n_workers: int | None) -> ModelSpec:
+                      devices: tuple[str, ...], n_workers: int | None, draft_max: int | None = None,
+                      draft_min: int | None = None, draft_margin: float | None = None) -> ModelSpec:
     if not path.is_file():
         raise ConfigError(f"--model: no such file {path}")
-    if draft is not None and not draft.is_file():
-        raise ConfigError(f"--draft: no such file {draft}")
+    if draft is not None and not (draft.is_file() or (draft.is_dir() and (draft / "config.json").is_file())):
+        raise ConfigError(f"--draft: no draft at {draft} (a GGUF file or a directory holding config.json)")
+    if draft is None and any(v is not None for v in (draft_max, draft_min, draft_margin)):
+        raise ConfigError("--draft-max, --draft-min and --draft-margin need --draft")
+    if draft_max is not None and draft_min is not None and draft_min > draft_max:
+        raise ConfigError(f"--draft-min {draft_min} exceeds --draft-max {draft_max}")
+    draft_max, draft_min, draft_margin = check_draft_options(draft, draft_max, draft_min, draft_margin)
     for d in devices:
         parse_device(d)
     if devices and n_workers is not None and n_workers != len(devices):
@@ -234,8 +242,8 @@ def _model_from_flags(path: Path, draft: Path | None, alias: str | None, ctx_siz
     else:
         workers = tuple(WorkerSpec() for _ in range(n_workers if n_workers is not None else 1))
     model_id = check_model_id(alias or path.stem, "--alias")
-    return ModelSpec(id=model_id, path=path.resolve(), draft=draft.resolve() if draft else None, ctx_size=ctx_size,
-                     workers=workers)
+    return ModelSpec(id=model_id, path=path.resolve(), draft=draft.resolve() if draft else None, draft_max=draft_max,
+                     draft_min=draft_min, draft_margin=draft_margin, ctx_size=ctx_size, workers=workers)
 
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
@@ -243,8 +251,14 @@ def _model_from_flags(path: Path, draft: Path | None, alias: str | None, ctx_siz
               help="TOML file with [server] and [[models]] (see router/config.py).")
 @click.option("--model", "-m", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Serve this GGUF model (instead of, or added to, the config's models).")
-@click.option("--draft", "--model-draft", "-md", "draft_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="DFlash draft model for --model.")
+@click.option("--draft", "--model-draft", "-md", "draft_path", type=click.Path(path_type=Path),
+              default=None, help="DFlash draft for --model: a dflash / qwen35-dflash-draft GGUF or a z-lab directory.")
+@click.option("--draft-max", "--draft-n", "draft_max", type=click.IntRange(0, 256), default=None,
+              help="Most draft tokens per step for --model's workers [draft block size - 1]; 0 = no speculation.")
+@click.option("--draft-min", "--draft-n-min", "draft_min", type=click.IntRange(0, 256), default=None,
+              help="Do not verify drafts shorter than this [0].")
+@click.option("--draft-margin", type=click.FloatRange(0.0, 1.0), default=None,
+              help="Cut drafts at the first token whose top-1 - top-2 draft probability is below this [0 = off].")
 @click.option("--alias", "-a", default=None, help="Name clients use for --model [file name].")
 @click.option("--device", "devices", multiple=True, help="cpu, cuda:N or hip:N; one worker per --device.")
 @click.option("--workers", "n_workers", type=click.IntRange(1, 64), default=None,
@@ -252,8 +266,8 @@ def _model_from_flags(path: Path, draft: Path | None, alias: str | None, ctx_siz
 @click.option("--ctx-size", "-c", type=click.IntRange(1, 1 << 24), default=None, help="Context length per worker.")
 @click.option("--bind", default=None, help="ZeroMQ endpoint workers join [tcp://127.0.0.1:0].")
 @_common_options
-def serve(config_path, model_path, draft_path, alias, devices, n_workers, ctx_size, bind, host, port, api_keys,
-          api_key_file, n_predict, log_prompts, admission_timeout, verbose) -> None:
+def serve(config_path, model_path, draft_path, draft_max, draft_min, draft_margin, alias, devices, n_workers, ctx_size,
+          bind, host, port, api_keys, api_key_file, n_predict, log_prompts, admission_timeout, verbose) -> None:
     """Run the router and the local workers of a config (or of one --model)."""
     from daemons.gguf_reader import GGUFError
     from daemons.tokenizer import TokenizerError
@@ -262,9 +276,12 @@ def serve(config_path, model_path, draft_path, alias, devices, n_workers, ctx_si
         cfg = load_config(config_path) if config_path is not None else Config()
         if model_path is not None:
             cfg = replace(cfg, models=cfg.models + (_model_from_flags(model_path, draft_path, alias, ctx_size,
-                                                                       devices, n_workers),))
-        elif any(v for v in (draft_path, alias, devices, n_workers, ctx_size)):
-            raise ConfigError("--draft, --alias, --device, --workers and --ctx-size describe --model; give --model")
+                                                                       devices, n_workers, draft_max, draft_min,
+                                                                       draft_margin),))
+        elif any(v is not None and v != () for v in (draft_path, alias, devices, n_workers, ctx_size, draft_max,
+                                                       draft_min, draft_margin)):
+            raise ConfigError("--draft, --draft-max/-min/-margin, --alias, --device, --workers and --ctx-size "
+                              "describe --model; give --model")
         if not cfg.models:
             raise ConfigError("nothing to serve: give --config FILE.toml or --model M.gguf")
         check_unique_names(cfg.models)

@@ -24,7 +24,10 @@ TOML layout (every key optional unless marked; unknown keys are errors, so typos
     [[models]]
     id = "qwen3.6-27b"              # the name clients send as "model" (default: the file's stem)
     path = "/models/qwen3.6-27b-q4_k_m.gguf"   # required: the router reads its metadata (template, tokenizer)
-    draft = "/models/qwen3.6-27b-dflash.gguf"
+    draft = "/models/qwen3.6-27b-dflash.gguf"   # DFlash draft: GGUF, or a z-lab directory
+    draft_max = 15                  # speculative defaults of its workers (--draft-max; 0 = off)
+    draft_min = 0                   # (--draft-min)
+    draft_margin = 0.0              # (--draft-margin; top-1 - top-2 draft probability, 0 = off)
     ctx_size = 32768                # (--ctx-size) per worker
     aliases = ["qwen"]
     sampling = { temperature = 0.0 }   # defaults for requests that do not say (llama-server names)
@@ -45,7 +48,7 @@ from daemons.sampling import SamplingError, SamplingParams
 
 __all__ = [
     "ConfigError", "WorkerSpec", "ModelSpec", "ServerConfig", "Config",
-    "load_config", "parse_config", "read_api_key_file", "parse_device", "device_isolation",
+    "load_config", "parse_config", "read_api_key_file", "parse_device", "device_isolation", "check_draft_options",
     "DEFAULT_HOST", "DEFAULT_PORT",
 ]
 
@@ -99,6 +102,10 @@ class ModelSpec:
     id: str
     path: Path | None  # None only for models known from a worker's HELLO
     draft: Path | None = None
+    # speculative defaults passed to the workers (None = the worker's own default)
+    draft_max: int | None = None
+    draft_min: int | None = None
+    draft_margin: float | None = None
     ctx_size: int | None = None
     aliases: tuple[str, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -248,11 +255,14 @@ def _worker(table: Any, where: str) -> WorkerSpec:
 def _model(table: Any, where: str, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ConfigError(f"{where} must be a table")
-    _check_keys(table, {"id", "path", "draft", "ctx_size", "aliases", "sampling", "devices", "workers"}, where)
+    _check_keys(table, {"id", "path", "draft", "draft_max", "draft_min", "draft_margin", "ctx_size", "aliases",
+                        "sampling", "devices", "workers"}, where)
     if "path" not in table:
         raise ConfigError(f"{where}.path is required (the router reads the model's chat template and tokenizer)")
     path = _resolve(table["path"], base, f"{where}.path")
-    draft = _resolve(table["draft"], base, f"{where}.draft") if "draft" in table else None
+    draft = _resolve_draft(table["draft"], base, f"{where}.draft") if "draft" in table else None
+    draft_max, draft_min, draft_margin = check_draft_options(
+        draft, table.get("draft_max"), table.get("draft_min"), table.get("draft_margin"), f"{where}.")
     model_id = check_model_id(_get(table, "id", str, where, path.stem), f"{where}.id")
     ctx = table.get("ctx_size")
     if ctx is not None:
@@ -274,8 +284,38 @@ def _model(table: Any, where: str, base: Path) -> ModelSpec:
             workers.extend([spec] * count)
     else:
         workers.append(WorkerSpec())
-    return ModelSpec(id=model_id, path=path, draft=draft, ctx_size=ctx, aliases=aliases, sampling=sampling,
+    return ModelSpec(id=model_id, path=path, draft=draft, draft_max=draft_max, draft_min=draft_min,
+                     draft_margin=draft_margin, ctx_size=ctx, aliases=aliases, sampling=sampling,
                      workers=tuple(workers))
+
+
+def _resolve_draft(path_text: Any, base: Path, where: str) -> Path:
+    """A draft path: a GGUF file or a z-lab directory (config.json + safetensors)."""
+    p = _resolve(path_text, base, where, must_exist=False)
+    if not (p.is_file() or (p.is_dir() and (p / "config.json").is_file())):
+        raise ConfigError(f"{where}: no draft at {p} (a GGUF file or a directory holding config.json)")
+    return p
+
+
+def check_draft_options(draft: Path | None, draft_max: Any, draft_min: Any, draft_margin: Any,
+                        prefix: str = "") -> tuple[int | None, int | None, float | None]:
+    """Validate a model's speculative defaults (TOML keys or --draft-* flags; None = not given)."""
+    if draft_max is not None:
+        if isinstance(draft_max, bool) or not isinstance(draft_max, int) or not 0 <= draft_max <= 256:
+            raise ConfigError(f"{prefix}draft_max must be an integer in 0..256 (0 = no speculation), got {draft_max!r}")
+    if draft_min is not None:
+        if isinstance(draft_min, bool) or not isinstance(draft_min, int) or not 0 <= draft_min <= 256:
+            raise ConfigError(f"{prefix}draft_min must be an integer in 0..256, got {draft_min!r}")
+    if draft_margin is not None:
+        if isinstance(draft_margin, bool) or not isinstance(draft_margin, (int, float)) \
+                or not math.isfinite(draft_margin) or not 0.0 <= draft_margin <= 1.0:
+            raise ConfigError(f"{prefix}draft_margin must be a number in [0, 1] (0 = off), got {draft_margin!r}")
+        draft_margin = float(draft_margin)
+    if draft_max is not None and draft_min is not None and draft_min > draft_max:
+        raise ConfigError(f"{prefix}draft_min {draft_min} exceeds {prefix}draft_max {draft_max}")
+    if draft is None and any(v is not None for v in (draft_max, draft_min, draft_margin)):
+        raise ConfigError(f"{prefix}draft_max, {prefix}draft_min and {prefix}draft_margin need {prefix}draft")
+    return draft_max, draft_min, draft_margin
 
 
 def _server(table: Any, base: Path) -> ServerConfig:

@@ -45,11 +45,28 @@ class _Sampling(_Open):
     seed: Annotated[StrictInt, Field(ge=-1, le=(1 << 64) - 1)] | None = None
 
 
+DraftCount = Annotated[StrictInt, Field(ge=0, le=256)]
+DraftMargin = Annotated[Number, Field(ge=0, le=1)]
+
+
 class SpeculativeRequest(_Closed):
-    """Per-request speculative decoding knobs (llama-server's speculative.n_max / n_min)."""
-    n_max: Annotated[StrictInt, Field(ge=0, le=256)] | None = None
-    n_min: Annotated[StrictInt, Field(ge=0, le=256)] | None = None
-    margin: Annotated[Number, Field(ge=0)] | None = None
+    """Per-request speculative decoding knobs, as an object: `{"n_max", "n_min", "p_min" | "margin"}`.
+
+    llama-server's names: n_max (most draft tokens per step; 0 = no speculation), n_min (shorter
+    drafts are not verified).  `p_min` / `margin` both set the worker's draft_margin: drafting stops
+    at the first token whose top-1 - top-2 draft probability is below it.  (llama-server's p_min
+    tests the top-1 probability alone; the margin is never larger, so it cuts at least as early.)"""
+    n_max: DraftCount | None = None
+    n_min: DraftCount | None = None
+    p_min: DraftMargin | None = None
+    margin: DraftMargin | None = None
+
+
+class _FlatSpeculative(BaseModel):
+    """llama-server's flat spellings of the same knobs: `"speculative.n_max": 4` at the top level."""
+    speculative_n_max: DraftCount | None = Field(default=None, alias="speculative.n_max")
+    speculative_n_min: DraftCount | None = Field(default=None, alias="speculative.n_min")
+    speculative_p_min: DraftMargin | None = Field(default=None, alias="speculative.p_min")
 
 
 class StreamOptions(_Closed):
@@ -142,7 +159,7 @@ class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, _FlatSpeculative):
     model: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=100_000)]
     stream: StrictBool = False
@@ -169,7 +186,7 @@ class ChatCompletionRequest(_Sampling):
 TokenId = Annotated[StrictInt, Field(ge=0, le=0x7FFFFFFF)]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, _FlatSpeculative):
     model: StrictStr | None = None
     prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1, max_length=1 << 24)] | \
         Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
@@ -257,7 +274,7 @@ class _AnthropicConversation(_Open):
     thinking: AThinking | None = None
 
 
-class AnthropicMessagesRequest(_AnthropicConversation):
+class AnthropicMessagesRequest(_AnthropicConversation, _FlatSpeculative):
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1 << 24)]
     stream: StrictBool = False
     stop_sequences: Annotated[list[StopStr], Field(max_length=MAX_STOP)] | None = None

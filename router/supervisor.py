@@ -161,6 +161,10 @@ class Supervisor:
             args += ["--ctx-size", str(ctx)]
         if m.draft is not None:
             args += ["--draft", str(m.draft)]
+            for flag, value in (("--draft-max", m.draft_max), ("--draft-min", m.draft_min),
+                                ("--draft-margin", m.draft_margin)):
+                if value is not None:
+                    args += [flag, repr(value) if isinstance(value, float) else str(value)]
         args += list(slot.spec.args)
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # readiness is the router's to report, not each worker's
