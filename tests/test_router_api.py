@@ -209,6 +209,11 @@ aliases = ["qwen-test"]
 ctx_size = 512
 
 [[models]]
+id = "scripted-long"
+path = "scripted.gguf"
+ctx_size = 8192
+
+[[models]]
 id = "remote-only"
 path = "scripted.gguf"
 devices = []
@@ -226,7 +231,7 @@ args = ["--no-such-flag"]
         messages = [notify.recv(4096).decode()]
         while not messages[-1].startswith("READY=1"):
             messages.append(notify.recv(4096).decode())
-        assert "ready: scripted; failed: broken" in messages[-1], messages
+        assert "ready: scripted, scripted-long; failed: broken" in messages[-1], messages
         with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
             client.proc = proc  # type: ignore[attr-defined]
             yield client
@@ -422,8 +427,9 @@ def test_client_disconnect_cancels_generation(server):
     wait_until(lambda: cancels() > before, 10, what="CANCEL after a streaming client left")
     # non-streaming: the client times out and goes away
     before = cancels()
+    # 8000 tokens take seconds even on a fast machine, so the 0.5 s client timeout always fires first
     with pytest.raises(httpx.TimeoutException):
-        server.post("/v1/completions", json={"model": "scripted", "prompt": "a", "max_tokens": 400},
+        server.post("/v1/completions", json={"model": "scripted-long", "prompt": "a", "max_tokens": 8000},
                     timeout=0.5)
     wait_until(lambda: cancels() > before, 10, what="CANCEL after a non-streaming client left")
     t = time.monotonic()
