@@ -262,8 +262,9 @@ def test_quit_exits_zero(daemon):
     assert daemon.proc.wait(30) == 0
 
 
-def test_without_stream_fd_and_draft_refused(root, model):
-    # Guards: a generation with nowhere to stream succeeding silently; --draft accepted and ignored.
+def test_without_stream_fd_and_target_as_draft_refused(root, model):
+    # Guards: a generation with nowhere to stream succeeding silently; a target file passed as the
+    # draft being loaded (or ignored) instead of refused with one line.
     d = StdioDaemon(model, root / "nofd.log", stream=False)
     try:
         assert d.line(60) == "[daemon] ready"
