@@ -1,15 +1,24 @@
-"""The CUDA/HIP backend: `kernels.backend.Backend` on CuPy raw kernels (first GPU path).
+"""The CUDA/HIP backend: `kernels.backend.Backend` on CuPy raw kernels.
 
-Implemented on the device: the quantised matrix product for Q8_0, Q4_K, F16, BF16 (and F32
-through cuBLAS), token embedding rows, the Gated DeltaNet recurrent step, and the cheap
-elementwise / normalisation operations. The rest of the interface (RoPE, causal conv, chunked
-DeltaNet, attention) raises `BackendError` until the full GPU backend lands.
+Every operation of the interface runs on the device:
 
-Weights are uploaded once, as the GGUF file's raw bytes in ggml's block layouts (`GpuWeight`);
-the kernels in `kernels/quant_matvec.cu` read those blocks directly. `matmul` picks:
+* quantised matrix products (`kernels/quant_matvec.cu`) for F32, F16, BF16, Q4_0, Q4_1, Q5_0,
+  Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, reading the GGUF blocks directly; token embedding rows;
+* RMSNorm, L2 norm, gated RMSNorm, SwiGLU, sigmoid gating, partial NeoX RoPE, the causal conv +
+  silu and row argmax (`kernels/ops.cu`);
+* attention over the KV cache for decode, verify (explicit mask) and prefill (`kernels/attention.cu`);
+* the Gated DeltaNet recurrence (`kernels/deltanet.cu`). `deltanet_chunked` runs the same
+  recurrent kernel over all T tokens in one launch (exact, not the chunked WY form: the state
+  stays in registers across tokens; a tensor-core chunked kernel for long prefills is future work).
 
-* T <= `MATVEC_MAX_T` activation rows: the matvec kernels, 8 rows per launch (each launch reads
-  the weight once; a launch for T rows is a separate compiled instance, see `_matvec_kernel`);
+Weights are uploaded once, as the GGUF file's raw bytes in ggml's block layouts (`GpuWeight`).
+`matmul` picks:
+
+* T <= `MATVEC_LOOP_MAX_T` activation rows (decode, verify): the matvec kernels, up to
+  `MATVEC_MAX_T` rows per launch (each launch reads the weight once). These are batch-invariant:
+  a row's result does not depend on the other rows, so a verify batch reproduces decode exactly.
+  Q8_0, Q4_K, F16, BF16 and F32 have their own kernels; the other block types share one generic
+  kernel (`block_matvec`, compiled per type with -DMV_QTYPE).
 * more rows (prefill): `DEQUANT_TILE_BYTES` worth of weight rows at a time dequantised to f32
   and multiplied by cuBLAS.
 
@@ -30,25 +39,40 @@ import numpy as np
 
 from kernels.backend import BackendError
 
-__all__ = ["CudaBackend", "GpuWeight", "MATVEC_CONFIGS", "MATVEC_MAX_T", "MATVEC_LOOP_MAX_T", "matvec_config"]
+__all__ = ["CudaBackend", "GpuWeight", "MATVEC_CONFIGS", "MATVEC_MAX_T", "MATVEC_LOOP_MAX_T", "matvec_config",
+           "SUPPORTED_GPU_TYPES"]
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 
 # ggml type ids (ggml.h `enum ggml_type`); kept numeric so this module imports without gguf.
-GGML_F32, GGML_F16, GGML_Q8_0, GGML_Q4_K, GGML_BF16 = 0, 1, 8, 12, 30
-_TYPE_NAMES = {GGML_F32: "F32", GGML_F16: "F16", GGML_Q8_0: "Q8_0", GGML_Q4_K: "Q4_K", GGML_BF16: "BF16"}
+GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 0, 1, 2, 3, 6, 7, 8
+GGML_Q4_K, GGML_Q5_K, GGML_Q6_K, GGML_IQ4_XS, GGML_BF16 = 12, 13, 14, 23, 30
+_TYPE_NAMES = {GGML_F32: "F32", GGML_F16: "F16", GGML_BF16: "BF16", GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1",
+               GGML_Q5_0: "Q5_0", GGML_Q5_1: "Q5_1", GGML_Q8_0: "Q8_0", GGML_Q4_K: "Q4_K", GGML_Q5_K: "Q5_K",
+               GGML_Q6_K: "Q6_K", GGML_IQ4_XS: "IQ4_XS"}
+SUPPORTED_GPU_TYPES = tuple(_TYPE_NAMES.values())
 # (weights per block, bytes per block) of the types the GPU kernels read.
-_BLOCKS = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_BF16: (1, 2), GGML_Q8_0: (32, 34), GGML_Q4_K: (256, 144)}
-_MATVEC_NAMES = {GGML_Q8_0: "q8_0_matvec", GGML_Q4_K: "q4_k_matvec", GGML_F16: "f16_matvec", GGML_BF16: "bf16_matvec"}
-_DEQUANT_NAMES = {GGML_Q8_0: "dequant_q8_0", GGML_Q4_K: "dequant_q4_k", GGML_F16: "dequant_f16", GGML_BF16: "dequant_bf16"}
+_BLOCKS = {GGML_F32: (1, 4), GGML_F16: (1, 2), GGML_BF16: (1, 2), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20),
+           GGML_Q5_0: (32, 22), GGML_Q5_1: (32, 24), GGML_Q8_0: (32, 34), GGML_Q4_K: (256, 144),
+           GGML_Q5_K: (256, 176), GGML_Q6_K: (256, 210), GGML_IQ4_XS: (256, 136)}
+# Types with a kernel of their own (tuned R/U configs); the other block types use `block_matvec`.
+_MATVEC_NAMES = {GGML_Q8_0: "q8_0_matvec", GGML_Q4_K: "q4_k_matvec", GGML_F16: "f16_matvec",
+                 GGML_BF16: "bf16_matvec", GGML_F32: "f32_matvec"}
+_GENERIC_MATVEC_TYPES = (GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K, GGML_IQ4_XS)
+_DEQUANT_NAMES = {GGML_Q8_0: "dequant_q8_0", GGML_Q4_K: "dequant_q4_k", GGML_F16: "dequant_f16",
+                  GGML_BF16: "dequant_bf16", GGML_F32: "dequant_f32",
+                  **{t: f"dequant_block_{_TYPE_NAMES[t].lower()}" for t in _GENERIC_MATVEC_TYPES}}
 
 MATVEC_BLOCK = 128          # threads per block (MV_BLOCK in quant_matvec.cu)
+MATVEC_GROUPS = 4           # 32-thread row groups per block of the generic kernel (GROUPS_PER_BLOCK)
 MATVEC_MAX_T = 8            # activation rows one matvec launch handles
 MATVEC_LOOP_MAX_T = 64      # up to this many rows, loop matvec launches; beyond, dequantise + GEMM
 DEQUANT_TILE_BYTES = 64 << 20   # f32 bytes of weight rows dequantised at a time on the GEMM path
-WEIGHT_PAD_BYTES = 16       # Q8_0 words are read as aligned 32-bit pairs: may touch 2 bytes past the end
+WEIGHT_PAD_BYTES = 16       # 2-byte-aligned words are read as aligned 32-bit pairs: may touch 2 bytes past the end
 DELTANET_COLS, DELTANET_PARTS = 32, 4   # DN_COLS, DN_PARTS in deltanet.cu
 _DELTANET_RPT = (8, 16, 32, 64)         # instantiated rows-per-thread; d_k <= 4 * RPT
+ATTENTION_THREADS, ATTENTION_SPAN, ATTENTION_MAX_D = 128, 256, 256   # attention.cu
+ELEMENTWISE_BLOCK, ELEMENTWISE_MAX_GRID = 256, 8192
 
 
 # (rows per block R, column passes per iteration U) the bench may choose from; each is tested.
@@ -61,9 +85,13 @@ def matvec_config(qtype: int, n_t: int) -> tuple[int, int]:
     columns per iteration (more bytes in flight, fewer barriers). Any pair in MATVEC_CONFIGS is
     correct. Chosen from tests/bench/bench_gpu_matvec.py on the H200 (mean over 4096x4096,
     5120x17408, 17408x5120): Q4_K (8, 1) for T <= 2 and (4, 1) above; Q8_0 (4, 1). U = 2 measured
-    ~10% faster at T = 3..4 but is left off until batch invariance across U is checked on a device."""
+    ~10% faster at T = 3..4 but is left off until batch invariance across U is checked on a device.
+    For the generic block kernel R is the rows per 32-thread group (U unused): 2 while the
+    activations are few, 1 above (register pressure: 16 weights x R rows + 16 x values per lane)."""
     if qtype == GGML_Q4_K:
         return (8, 1) if n_t <= 2 else (4, 1)
+    if qtype in _GENERIC_MATVEC_TYPES:
+        return (2, 1) if n_t <= 4 else (1, 1)
     return (4, 1)
 
 
@@ -118,6 +146,10 @@ class _Modules:
 _MODULES = _Modules()
 
 
+def _shape_str(a) -> str:
+    return f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}"
+
+
 class CudaBackend:
     """CuPy implementation of `kernels.backend.Backend` (see that module for the contract)."""
 
@@ -149,20 +181,115 @@ class CudaBackend:
         self._device.use()
         self.name = "hip" if cp.cuda.runtime.is_hip else "cuda"
         self.device = f"{self.name}:{device_id}"
+        self._pos_cache: tuple[bytes, Any] | None = None
+        self._clock_khz: int | None = None
 
     def __repr__(self) -> str:
         return f"CudaBackend(device={self.device!r})"
+
+    def synchronize(self) -> None:
+        """Wait for all work queued on the device (benchmarks)."""
+        self._device.synchronize()
+
+    def busy_wait(self, seconds: float) -> None:
+        """Queue a kernel that keeps the device busy for about `seconds` (benchmarks: work queued
+        behind it then runs back to back, so events around that work time the device alone)."""
+        if self._clock_khz is None:
+            self._clock_khz = int(self._device.attributes.get("ClockRate", 2_000_000)) or 2_000_000
+        cycles = max(1, int(seconds * self._clock_khz * 1e3))
+        self._kernel("ops.cu", "spin_wait")((1,), (1,), (np.int64(cycles),))
 
     # -- helpers ----------------------------------------------------------------------------------
     def _f32(self, a) -> Any:
         return self._cp.ascontiguousarray(self._cp.asarray(a), dtype=self._cp.float32)
 
+    def _kernel(self, source: str, name: str, defines: tuple[str, ...] = ()):
+        return _MODULES.get(self._cp, source, defines).get_function(name)
+
     def _matvec_kernel(self, qtype: int, n_t: int, n_rows: int, n_units: int):
-        mod = _MODULES.get(self._cp, "quant_matvec.cu", (f"MV_T={n_t}", f"MV_R={n_rows}", f"MV_U={n_units}"))
-        return mod.get_function(_MATVEC_NAMES[qtype])
+        if qtype in _GENERIC_MATVEC_TYPES:
+            return self._kernel("quant_matvec.cu", "block_matvec", (f"MV_T={n_t}", f"MV_R={n_rows}", f"MV_QTYPE={qtype}"))
+        return self._kernel("quant_matvec.cu", _MATVEC_NAMES[qtype], (f"MV_T={n_t}", f"MV_R={n_rows}", f"MV_U={n_units}"))
 
     def _dequant_kernel(self, qtype: int):
-        return _MODULES.get(self._cp, "quant_matvec.cu").get_function(_DEQUANT_NAMES[qtype])
+        return self._kernel("quant_matvec.cu", _DEQUANT_NAMES[qtype])
+
+    @staticmethod
+    def _grid_1d(n: int) -> int:
+        return max(1, min((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK, ELEMENTWISE_MAX_GRID))
+
+    def _int32_positions(self, positions, n_t: int, what: str):
+        """positions [T] as a contiguous int32 device array. Host arrays are uploaded (the last one
+        is kept: the model passes the same positions to both RoPEs and the attention of a layer)."""
+        cp = self._cp
+        if isinstance(positions, cp.ndarray):
+            pos = cp.ascontiguousarray(positions.reshape(-1), dtype=cp.int32)
+        else:
+            host = np.ascontiguousarray(np.asarray(positions).reshape(-1), dtype=np.int32)
+            key = host.tobytes()
+            if self._pos_cache is not None and self._pos_cache[0] == key:
+                pos = self._pos_cache[1]
+            else:
+                pos = cp.asarray(host)
+                self._pos_cache = (key, pos)
+        if pos.shape[0] != n_t:
+            raise BackendError(f"{what}: {pos.shape[0]} positions for {n_t} tokens")
+        return pos
+
+    def _norm_rows(self, x) -> tuple[Any, int, int, int, int, int]:
+        """(array, n_rows, D, n_inner, s_outer, s_inner) addressing the rows of x's last axis
+        without a copy when x is a 1-3 dimensional view with a contiguous last axis (see ops.cu)."""
+        cp = self._cp
+        x = cp.asarray(x)
+        if x.dtype != cp.float32:
+            x = x.astype(cp.float32)
+        if x.ndim == 0:
+            raise BackendError("normalisation needs at least one axis")
+        if x.ndim > 3 or (x.shape[-1] > 1 and x.strides[-1] != 4) or any(s < 0 or s % 4 for s in x.strides):
+            x = cp.ascontiguousarray(x)
+        D = x.shape[-1]
+        n_rows = x.size // D if D else 0
+        if x.ndim > 3:
+            x = x.reshape(n_rows, D)
+        if x.ndim == 1:
+            return x, n_rows, D, 1, 0, 0
+        if x.ndim == 2:
+            return x, n_rows, D, max(x.shape[0], 1), 0, x.strides[0] // 4
+        return x, n_rows, D, max(x.shape[1], 1), x.strides[0] // 4, x.strides[1] // 4
+
+    def _norm(self, x, weight, z, eps: float, mode: int) -> Any:
+        cp = self._cp
+        shape = tuple(x.shape)
+        xs, n_rows, D, n_inner, s_outer, s_inner = self._norm_rows(x)
+        if weight is not None:
+            weight = self._f32(weight).reshape(-1)
+            if weight.shape[0] != D:
+                raise BackendError(f"norm: weight of {weight.shape[0]} values for rows of {D}")
+        if z is not None:
+            z = self._f32(z)
+            if tuple(z.shape) != shape:
+                raise BackendError(f"gated_rms_norm: z{list(z.shape)} does not match x{list(shape)}")
+        y = cp.empty(shape, dtype=cp.float32)
+        if n_rows == 0 or D == 0:
+            return y
+        threads = 64 if D <= 256 else (128 if D <= 2048 else 256)
+        self._kernel("ops.cu", "norm_rows")(
+            (n_rows,), (threads,),
+            (xs, weight, z, y, np.int32(n_rows), np.int32(D), np.int32(n_inner), np.int64(s_outer),
+             np.int64(s_inner), np.float32(eps), np.int32(mode)))
+        return y
+
+    def _binary(self, name: str, a, b) -> Any:
+        cp = self._cp
+        a, b = cp.asarray(a), cp.asarray(b)
+        if a.shape != b.shape:
+            a, b = cp.broadcast_arrays(a, b)
+        a, b = self._f32(a), self._f32(b)
+        out = cp.empty(a.shape, dtype=cp.float32)
+        n = out.size
+        if n:
+            self._kernel("ops.cu", name)((self._grid_1d(n),), (ELEMENTWISE_BLOCK,), (a, b, out, np.int64(n)))
+        return out
 
     # -- data movement ------------------------------------------------------------------------
     def asarray(self, host_array: Any, dtype: Any = None) -> Any:
@@ -180,7 +307,7 @@ class CudaBackend:
         qtype = int(tensor.qtype)
         if qtype not in _BLOCKS:
             raise BackendError(f"weight '{tensor.name}': type {getattr(tensor, 'type_name', qtype)} is not "
-                               f"implemented on the CUDA backend yet (have {', '.join(_TYPE_NAMES.values())})")
+                               f"implemented on the CUDA backend (have {', '.join(SUPPORTED_GPU_TYPES)})")
         n_in, n_out = ne
         block_weights, block_bytes = _BLOCKS[qtype]
         if n_in % block_weights:
@@ -207,6 +334,11 @@ class CudaBackend:
         return weight.nbytes
 
     # -- linear algebra -------------------------------------------------------------------------
+    def _matvec_ok(self, weight: GpuWeight) -> bool:
+        if weight.qtype in _GENERIC_MATVEC_TYPES or weight.qtype in (GGML_Q8_0, GGML_Q4_K):
+            return True
+        return weight.n_in % 4 == 0      # F16/BF16/F32 rows are read 4 columns at a time
+
     def matmul(self, x: Any, weight: GpuWeight) -> Any:
         cp = self._cp
         x = self._f32(x)
@@ -217,18 +349,17 @@ class CudaBackend:
             raise BackendError(f"matmul: x{list(x.shape)} does not match weight '{weight.name}' "
                                f"({weight.n_out}, {weight.n_in})")
         n_t = x.shape[0]
-        if weight.qtype == GGML_F32:
-            y = cp.ascontiguousarray(x @ weight.data.T)
+        y = cp.empty((n_t, weight.n_out), dtype=cp.float32)
+        if n_t == 0 or weight.n_out == 0:
+            pass
+        elif n_t <= MATVEC_LOOP_MAX_T and self._matvec_ok(weight):
+            for t0 in range(0, n_t, MATVEC_MAX_T):
+                t1 = min(t0 + MATVEC_MAX_T, n_t)
+                self._matvec(x[t0:t1], weight, y[t0:t1])
+        elif weight.qtype == GGML_F32:
+            cp.matmul(x, weight.data.T, out=y)
         else:
-            y = cp.empty((n_t, weight.n_out), dtype=cp.float32)
-            if n_t == 0 or weight.n_out == 0:
-                pass
-            elif n_t <= MATVEC_LOOP_MAX_T and weight.qtype in _MATVEC_NAMES and weight.n_in % 4 == 0:
-                for t0 in range(0, n_t, MATVEC_MAX_T):
-                    t1 = min(t0 + MATVEC_MAX_T, n_t)
-                    self._matvec(x[t0:t1], weight, y[t0:t1])
-            else:
-                self._dequant_gemm(x, weight, y)
+            self._dequant_gemm(x, weight, y)
         return y[0] if squeeze else y
 
     def _matvec(self, x, weight: GpuWeight, y, config: tuple[int, int] | None = None) -> None:
@@ -240,7 +371,8 @@ class CudaBackend:
             raise BackendError(f"matvec: T={n_t} (1..{MATVEC_MAX_T}), rows per block {n_rows} (1..8), "
                                f"passes per iteration {n_units} (1..4)")
         kern = self._matvec_kernel(weight.qtype, n_t, n_rows, n_units)
-        grid = (weight.n_out + n_rows - 1) // n_rows
+        rows_per_block = n_rows * (MATVEC_GROUPS if weight.qtype in _GENERIC_MATVEC_TYPES else 1)
+        grid = (weight.n_out + rows_per_block - 1) // rows_per_block
         kern((grid,), (MATVEC_BLOCK,), (weight.data, x, y, np.int32(weight.n_out), np.int32(weight.n_in),
                                         np.int32(weight.row_bytes)))
 
@@ -250,7 +382,8 @@ class CudaBackend:
         total = n_rows * weight.n_in
         if total == 0:
             return
-        grid = min((total + 255) // 256, 65535)
+        per_thread = 16 if weight.qtype in _GENERIC_MATVEC_TYPES else 1
+        grid = min((total // per_thread + 255) // 256, 65535)
         self._dequant_kernel(weight.qtype)(
             (grid,), (256,), (weight.data, row_ids, np.int32(row_start), out, np.int32(n_rows),
                               np.int32(weight.n_in), np.int32(weight.row_bytes)))
@@ -280,43 +413,62 @@ class CudaBackend:
         if ids.size and (ids.min() < 0 or ids.max() >= weight.n_out):
             bad = int(ids[(ids < 0) | (ids >= weight.n_out)][0])
             raise BackendError(f"embed: token id {bad} outside 0..{weight.n_out - 1}")
-        if weight.qtype == GGML_F32:
-            return weight.data[cp.asarray(ids)]
         out = cp.empty((ids.size, weight.n_in), dtype=cp.float32)
-        self._dequant_rows(weight, out, row_ids=cp.asarray(ids.astype(np.int32)))
+        if ids.size:
+            self._dequant_rows(weight, out, row_ids=cp.asarray(ids.astype(np.int32)))
         return out
 
     # -- elementwise and normalisation --------------------------------------------------------
     def rms_norm(self, x: Any, weight: Any | None, eps: float) -> Any:
-        cp = self._cp
-        x = self._f32(x)
-        ms = cp.mean(cp.square(x.astype(cp.float64)), axis=-1, keepdims=True)
-        y = x * (1.0 / cp.sqrt(ms + eps)).astype(cp.float32)
-        return y if weight is None else y * self._f32(weight)
+        return self._norm(x, weight, None, eps, 0)
 
     def l2_norm(self, x: Any, eps: float) -> Any:
         # x / sqrt(sum x^2 + eps): the form kernels/deltanet.py (the CPU backend) uses.
-        cp = self._cp
-        x = self._f32(x)
-        ss = cp.sum(cp.square(x.astype(cp.float64)), axis=-1, keepdims=True)
-        return x * (1.0 / cp.sqrt(ss + eps)).astype(cp.float32)
-
-    def silu_mul(self, gate: Any, up: Any) -> Any:
-        gate = self._f32(gate)
-        return gate / (1.0 + self._cp.exp(-gate)) * self._f32(up)
-
-    def sigmoid_mul(self, x: Any, gate: Any) -> Any:
-        return self._f32(x) / (1.0 + self._cp.exp(-self._f32(gate)))
+        return self._norm(x, None, None, eps, 1)
 
     def gated_rms_norm(self, x: Any, weight: Any, z: Any, eps: float) -> Any:
-        return self.silu_mul(z, self.rms_norm(x, weight, eps))
+        return self._norm(x, weight, z, eps, 2)
+
+    def silu_mul(self, gate: Any, up: Any) -> Any:
+        return self._binary("silu_mul_f32", gate, up)
+
+    def sigmoid_mul(self, x: Any, gate: Any) -> Any:
+        return self._binary("sigmoid_mul_f32", x, gate)
 
     def rope_neox(self, x: Any, positions: Any, n_rot: int, theta: float) -> Any:
-        raise BackendError("rope_neox is not implemented on the CUDA backend yet")
+        cp = self._cp
+        x = self._f32(x)
+        if x.ndim != 3:
+            raise BackendError(f"rope_neox expects x[T, H, D], got shape {list(x.shape)}")
+        n_t, n_h, D = x.shape
+        if n_rot % 2 or not 0 < n_rot <= D:
+            raise BackendError(f"rope_neox: n_rot={n_rot} must be even and in 1..{D}")
+        pos = self._int32_positions(positions, n_t, "rope_neox")
+        y = cp.empty_like(x)
+        if x.size:
+            threads = 64 if D <= 64 else 128
+            self._kernel("ops.cu", "rope_neox_f32")(
+                (n_t * n_h,), (threads,), (x, y, pos, np.int32(n_h), np.int32(D), np.int32(n_rot), np.float64(theta)))
+        return y
 
     # -- recurrent mixers -----------------------------------------------------------------------
     def causal_conv1d_silu(self, x: Any, conv_state: Any, weight: Any) -> tuple[Any, Any]:
-        raise BackendError("causal_conv1d_silu is not implemented on the CUDA backend yet")
+        cp = self._cp
+        x, conv_state, weight = self._f32(x), self._f32(conv_state), self._f32(weight)
+        if x.ndim != 2 or weight.ndim != 2:
+            raise BackendError(f"causal_conv1d_silu: x must be [T, C] and weight [C, K], got "
+                               f"{list(x.shape)} and {list(weight.shape)}")
+        n_t, C = x.shape
+        K = weight.shape[1]
+        if weight.shape[0] != C or K < 1 or tuple(conv_state.shape) != (K - 1, C):
+            raise BackendError(f"causal_conv1d_silu: x[{n_t}, {C}], conv_state{list(conv_state.shape)} and "
+                               f"weight{list(weight.shape)} do not match (need state[{K - 1}, {C}], weight[{C}, K])")
+        y = cp.empty((n_t, C), dtype=cp.float32)
+        new_state = cp.empty((K - 1, C), dtype=cp.float32)
+        if C:
+            self._kernel("ops.cu", "causal_conv1d_silu_f32")(
+                ((C + 127) // 128,), (128,), (x, conv_state, weight, y, new_state, np.int32(n_t), np.int32(C), np.int32(K)))
+        return y, new_state
 
     def deltanet_recurrent(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,
                            checkpoints: Any | None = None) -> Any:
@@ -335,21 +487,19 @@ class CudaBackend:
         if (not isinstance(state, cp.ndarray) or state.shape != (h_v, d_k, d_v) or state.dtype != cp.float32
                 or not state.flags.c_contiguous):
             raise BackendError(f"deltanet: state must be a C-contiguous float32 device array [{h_v}, {d_k}, {d_v}] "
-                               f"(updated in place), got {getattr(state, 'dtype', type(state).__name__)}"
-                               f"{list(getattr(state, 'shape', ()))}")
+                               f"(updated in place), got {_shape_str(state)}")
         if checkpoints is not None and (
                 not isinstance(checkpoints, cp.ndarray) or checkpoints.shape != (n_t, h_v, d_k, d_v)
                 or checkpoints.dtype != cp.float32 or not checkpoints.flags.c_contiguous):
             raise BackendError(f"deltanet: checkpoints must be a C-contiguous float32 device array "
-                               f"[{n_t}, {h_v}, {d_k}, {d_v}], got {getattr(checkpoints, 'dtype', '?')}"
-                               f"{list(getattr(checkpoints, 'shape', ()))}")
+                               f"[{n_t}, {h_v}, {d_k}, {d_v}], got {_shape_str(checkpoints)}")
         rpt = next((r for r in _DELTANET_RPT if DELTANET_PARTS * r >= d_k), None)
         if rpt is None:
             raise BackendError(f"deltanet: d_k = {d_k} exceeds the kernel's {DELTANET_PARTS * _DELTANET_RPT[-1]}")
         out = cp.empty((n_t, h_v, d_v), dtype=cp.float32)
         if n_t == 0 or d_v == 0 or h_v == 0:
             return out
-        kern = _MODULES.get(cp, "deltanet.cu").get_function(f"deltanet_recurrent_r{rpt}")
+        kern = self._kernel("deltanet.cu", f"deltanet_recurrent_r{rpt}")
         grid = ((d_v + DELTANET_COLS - 1) // DELTANET_COLS, h_v)
         kern(grid, (DELTANET_COLS * DELTANET_PARTS,),
              (q, k, v, g, beta, state, checkpoints, out, np.int32(n_t), np.int32(h_k), np.int32(h_v),
@@ -358,15 +508,71 @@ class CudaBackend:
 
     def deltanet_chunked(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,
                          chunk_size: int = 64) -> Any:
-        raise BackendError("deltanet_chunked is not implemented on the CUDA backend yet")
+        # The recurrent kernel walks all T tokens in one launch with the state in registers, which
+        # is exact; chunk_size is accepted for the interface (the CPU's WY form uses it).
+        if int(chunk_size) < 1:
+            raise BackendError(f"deltanet: chunk_size must be positive, got {chunk_size}")
+        return self.deltanet_recurrent(q, k, v, g, beta, state)
 
     # -- attention ------------------------------------------------------------------------------
     def attention(self, q: Any, k_cache: Any, v_cache: Any, q_positions: Any, kv_len: int,
                   scale: float, mask: Any | None = None) -> Any:
-        raise BackendError("attention is not implemented on the CUDA backend yet")
+        cp = self._cp
+        q = self._f32(q)
+        if q.ndim != 3:
+            raise BackendError(f"attention: q must be [T, H_q, D], got {list(q.shape)}")
+        n_t, h_q, D = q.shape
+        k_cache, v_cache = self._f32(k_cache), self._f32(v_cache)
+        if k_cache.ndim != 3 or k_cache.shape != v_cache.shape or k_cache.shape[2] != D:
+            raise BackendError(f"attention: k_cache{list(k_cache.shape)} / v_cache{list(v_cache.shape)} must be "
+                               f"[H_kv, ctx, {D}]")
+        h_kv, ctx = k_cache.shape[0], k_cache.shape[1]
+        if h_kv == 0 or h_q % h_kv:
+            raise BackendError(f"attention: {h_q} query heads is not a multiple of {h_kv} kv heads")
+        kv_len = int(kv_len)
+        if not 0 < kv_len <= ctx:
+            raise BackendError(f"attention: kv_len {kv_len} outside 1..{ctx}")
+        if D > ATTENTION_MAX_D:
+            raise BackendError(f"attention: head dim {D} exceeds the kernel's {ATTENTION_MAX_D}")
+        pos = self._int32_positions(q_positions, n_t, "attention")
+        mask_dev = None
+        if mask is not None:
+            m = cp.asarray(mask)
+            if m.size != n_t * kv_len:
+                raise BackendError(f"attention: mask{list(m.shape)} must be [T={n_t}, kv_len={kv_len}]")
+            mask_dev = cp.ascontiguousarray(m.reshape(n_t, kv_len).astype(cp.bool_)).view(cp.uint8)
+        out = cp.empty((n_t, h_q, D), dtype=cp.float32)
+        if n_t == 0:
+            return out
+        n_span = (kv_len + ATTENTION_SPAN - 1) // ATTENTION_SPAN
+        part_o = part_ml = None
+        if n_span > 1:
+            part_o = cp.empty((n_t, h_q, n_span, D), dtype=cp.float32)
+            part_ml = cp.empty((n_t, h_q, n_span, 2), dtype=cp.float32)
+        self._kernel("attention.cu", "attention_f32")(
+            (n_span, h_q, n_t), (ATTENTION_THREADS,),
+            (q, k_cache, v_cache, pos, mask_dev, part_o, part_ml, out, np.int32(h_q), np.int32(h_kv),
+             np.int32(D), np.int32(ctx), np.int32(kv_len), np.int32(n_span), np.float32(scale)))
+        if n_span > 1:
+            self._kernel("attention.cu", "attention_combine")(
+                (h_q, n_t), (128,), (part_o, part_ml, out, np.int32(h_q), np.int32(D), np.int32(n_span)))
+        return out
 
     # -- sampling support -----------------------------------------------------------------------
-    def argmax(self, logits: Any) -> np.ndarray:
-        # cupy.argmax, like numpy's, returns the first maximum: the lowest index on ties.
+    def argmax_device(self, logits: Any) -> Any:
+        """Row argmax of logits[T, V] (or [V]) as an int64 device array [T]: numpy's rules (the
+        first NaN, else the lowest index of the maximum), computed on the device so only the ids
+        cross to the host."""
         cp = self._cp
-        return cp.asnumpy(cp.argmax(cp.atleast_2d(cp.asarray(logits)), axis=-1))
+        x = self._f32(logits)
+        x = x.reshape(1, -1) if x.ndim == 1 else x.reshape(-1, x.shape[-1])
+        n_rows, V = x.shape
+        out = cp.empty((n_rows,), dtype=cp.int64)
+        if n_rows and V:
+            self._kernel("ops.cu", "argmax_rows_f32")((n_rows,), (256,), (x, out, np.int32(V)))
+        elif n_rows:
+            raise BackendError("argmax of an empty row")
+        return out
+
+    def argmax(self, logits: Any) -> np.ndarray:
+        return self._cp.asnumpy(self.argmax_device(logits))

@@ -25,8 +25,10 @@
 
 #ifdef __HIP_PLATFORM_AMD__
 #define SHFL_DOWN(v, off) __shfl_down((v), (off))
+#define SHFL_XOR32(v, m) __shfl_xor((v), (m), 32)
 #else
 #define SHFL_DOWN(v, off) __shfl_down_sync(0xffffffffu, (v), (off))
+#define SHFL_XOR32(v, m) __shfl_xor_sync(0xffffffffu, (v), (m), 32)
 #endif
 
 #define MV_BLOCK 128
@@ -376,9 +378,12 @@ __device__ __forceinline__ void q4_k_matvec_impl(const unsigned char* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------
-// F16 / BF16 rows. Unit: 4 columns (one 8-byte load per row); needs n_in % 4 == 0 (the host
-// sends other widths through dequantisation + GEMM).
-template <int T, int R, bool BF16>
+// F16 / BF16 / F32 rows. Unit: 4 columns (one 8-byte load per row, 16 bytes for F32); needs
+// n_in % 4 == 0 (the host sends other widths through dequantisation + GEMM).
+#define ROW_F16 0
+#define ROW_BF16 1
+#define ROW_F32 2
+template <int T, int R, int KIND>
 __device__ __forceinline__ void f16_matvec_impl(const unsigned char* __restrict__ w,
                                                 const float* __restrict__ x, float* __restrict__ y,
                                                 int n_out, int n_in, int row_bytes) {
@@ -397,10 +402,15 @@ __device__ __forceinline__ void f16_matvec_impl(const unsigned char* __restrict_
         float wv[R][4];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const uint2 u = *(const uint2*)(w + row_off[r] + 2 * (size_t)c);
-            const unsigned int h[4] = {u.x & 0xffffu, u.x >> 16, u.y & 0xffffu, u.y >> 16};
+            if (KIND == ROW_F32) {
+                const float4 f = *(const float4*)(w + row_off[r] + 4 * (size_t)c);
+                wv[r][0] = f.x; wv[r][1] = f.y; wv[r][2] = f.z; wv[r][3] = f.w;
+            } else {
+                const uint2 u = *(const uint2*)(w + row_off[r] + 2 * (size_t)c);
+                const unsigned int h[4] = {u.x & 0xffffu, u.x >> 16, u.y & 0xffffu, u.y >> 16};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) wv[r][i] = BF16 ? bf16_bits_to_float(h[i]) : half_bits_to_float(h[i]);
+                for (int i = 0; i < 4; ++i) wv[r][i] = KIND == ROW_BF16 ? bf16_bits_to_float(h[i]) : half_bits_to_float(h[i]);
+            }
         }
 #pragma unroll
         for (int t = 0; t < T; ++t) {
@@ -413,12 +423,13 @@ __device__ __forceinline__ void f16_matvec_impl(const unsigned char* __restrict_
     block_reduce_store<T, R>(acc, y, row0, n_out);
 }
 
-#ifdef MV_T
+#define MV_ARGS const unsigned char* __restrict__ w, const float* __restrict__ x, \
+                float* __restrict__ y, int n_out, int n_in, int row_bytes
 #ifndef MV_U
 #define MV_U 1
 #endif
-#define MV_ARGS const unsigned char* __restrict__ w, const float* __restrict__ x, \
-                float* __restrict__ y, int n_out, int n_in, int row_bytes
+
+#if defined(MV_T) && !defined(MV_QTYPE)
 extern "C" __global__ void __launch_bounds__(MV_BLOCK) q8_0_matvec(MV_ARGS) {
     q8_0_matvec_impl<MV_T, MV_R, MV_U>(w, x, y, n_out, n_in, row_bytes);
 }
@@ -426,13 +437,236 @@ extern "C" __global__ void __launch_bounds__(MV_BLOCK) q4_k_matvec(MV_ARGS) {
     q4_k_matvec_impl<MV_T, MV_R, MV_U>(w, x, y, n_out, n_in, row_bytes);
 }
 extern "C" __global__ void __launch_bounds__(MV_BLOCK) f16_matvec(MV_ARGS) {
-    f16_matvec_impl<MV_T, MV_R, false>(w, x, y, n_out, n_in, row_bytes);
+    f16_matvec_impl<MV_T, MV_R, ROW_F16>(w, x, y, n_out, n_in, row_bytes);
 }
 extern "C" __global__ void __launch_bounds__(MV_BLOCK) bf16_matvec(MV_ARGS) {
-    f16_matvec_impl<MV_T, MV_R, true>(w, x, y, n_out, n_in, row_bytes);
+    f16_matvec_impl<MV_T, MV_R, ROW_BF16>(w, x, y, n_out, n_in, row_bytes);
+}
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) f32_matvec(MV_ARGS) {
+    f16_matvec_impl<MV_T, MV_R, ROW_F32>(w, x, y, n_out, n_in, row_bytes);
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// Every block type, one generic path: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS.
+//
+// A row is a run of 32-weight units (a Q*_0/Q*_1 block, or one of the 8 sub-blocks of a 256-weight
+// super-block). `load_half<QT>(row, unit, hh, q, a, b)` decodes the 16 weights 16*hh .. 16*hh+15 of
+// a unit as small integers q[i] (exact in f32) with w[i] = a*q[i] + b, so that
+//     sum_i w[i] x[i] = a * sum_i q[i] x[i] + b * sum_i x[i]
+// (b = 0 for the types without a min). Type codes are ggml's (enum ggml_type).
+#define QT_Q4_0 2
+#define QT_Q4_1 3
+#define QT_Q5_0 6
+#define QT_Q5_1 7
+#define QT_Q8_0 8
+#define QT_Q4_K 12
+#define QT_Q5_K 13
+#define QT_Q6_K 14
+#define QT_IQ4_XS 23
+
+// The 32-bit little-endian word at a 2-byte-aligned address, from the two aligned words around it
+// (may read 2 bytes past the word: weights carry WEIGHT_PAD_BYTES of padding).
+__device__ __forceinline__ unsigned int load_u32_a2(const unsigned char* p) {
+    const size_t addr = (size_t)p;
+    const unsigned int* a = (const unsigned int*)(addr & ~(size_t)3);
+    const unsigned int lo = a[0];
+    if ((addr & 2) == 0) return lo;
+    return (lo >> 16) | (a[1] << 16);
+}
+
+__device__ __forceinline__ unsigned int load_u16(const unsigned char* p) {
+    return *(const unsigned short*)p;
+}
+
+// The 16 bytes at a 2-byte-aligned address as 4 words.
+__device__ __forceinline__ void load16_a2(const unsigned char* p, unsigned int (&u)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) u[i] = load_u32_a2(p + 4 * i);
+}
+
+__device__ __forceinline__ void load16_a16(const unsigned char* p, unsigned int (&u)[4]) {
+    const uint4 v = *(const uint4*)p;
+    u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+}
+
+__device__ __forceinline__ unsigned int byte_of(const unsigned int (&u)[4], int i) {
+    return (u[i >> 2] >> (8 * (i & 3))) & 0xffu;
+}
+
+__device__ __constant__ float IQ4NL_VALUES[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
+                                                  1.f, 13.f, 25.f, 38.f, 53.f, 69.f, 89.f, 113.f};
+
+template <int QT> struct BlockType;
+// (weights per block, bytes per block, has a min term)
+template <> struct BlockType<QT_Q4_0>  { enum { QK = 32,  BYTES = 18,  MIN = 0 }; };
+template <> struct BlockType<QT_Q4_1>  { enum { QK = 32,  BYTES = 20,  MIN = 1 }; };
+template <> struct BlockType<QT_Q5_0>  { enum { QK = 32,  BYTES = 22,  MIN = 0 }; };
+template <> struct BlockType<QT_Q5_1>  { enum { QK = 32,  BYTES = 24,  MIN = 1 }; };
+template <> struct BlockType<QT_Q8_0>  { enum { QK = 32,  BYTES = 34,  MIN = 0 }; };
+template <> struct BlockType<QT_Q4_K>  { enum { QK = 256, BYTES = 144, MIN = 1 }; };
+template <> struct BlockType<QT_Q5_K>  { enum { QK = 256, BYTES = 176, MIN = 1 }; };
+template <> struct BlockType<QT_Q6_K>  { enum { QK = 256, BYTES = 210, MIN = 0 }; };
+template <> struct BlockType<QT_IQ4_XS> { enum { QK = 256, BYTES = 136, MIN = 0 }; };
+
+template <int QT>
+__device__ __forceinline__ void load_half(const unsigned char* __restrict__ row, int unit, int hh,
+                                          float (&q)[16], float& a, float& b) {
+    constexpr int UPB = BlockType<QT>::QK / 32;                  // units per block
+    const unsigned char* blk = row + (size_t)(unit / UPB) * BlockType<QT>::BYTES;
+    const int j = unit % UPB;                                   // sub-block inside a super-block
+    unsigned int u[4];
+    b = 0.0f;
+    if (QT == QT_Q4_0 || QT == QT_Q4_1) {
+        const int qoff = QT == QT_Q4_0 ? 2 : 4;
+        a = half_bits_to_float(load_u16(blk));
+        if (QT == QT_Q4_1) b = half_bits_to_float(load_u16(blk + 2));
+        load16_a2(blk + qoff, u);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int n = (int)((byte_of(u, i) >> (4 * hh)) & 0xfu);
+            q[i] = (float)(QT == QT_Q4_0 ? n - 8 : n);
+        }
+    } else if (QT == QT_Q5_0 || QT == QT_Q5_1) {
+        const int hoff = QT == QT_Q5_0 ? 2 : 4;
+        a = half_bits_to_float(load_u16(blk));
+        if (QT == QT_Q5_1) b = half_bits_to_float(load_u16(blk + 2));
+        const unsigned int qh = load_u32_a2(blk + hoff);
+        load16_a2(blk + hoff + 4, u);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int n = (int)(((byte_of(u, i) >> (4 * hh)) & 0xfu) | (((qh >> (i + 16 * hh)) & 1u) << 4));
+            q[i] = (float)(QT == QT_Q5_0 ? n - 16 : n);
+        }
+    } else if (QT == QT_Q8_0) {
+        a = half_bits_to_float(load_u16(blk));
+        load16_a2(blk + 2 + 16 * hh, u);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = (float)(int)(signed char)byte_of(u, i);
+    } else if (QT == QT_Q4_K || QT == QT_Q5_K) {
+        const uint4 h = *(const uint4*)blk;
+        unsigned int sc, m;
+        q4_k_scale_min(j, h, sc, m);
+        a = half_bits_to_float(h.x & 0xffffu) * (float)sc;
+        b = -(half_bits_to_float(h.x >> 16) * (float)m);
+        const int qs = QT == QT_Q4_K ? 16 : 48;
+        load16_a16(blk + qs + 32 * (j >> 1) + 16 * hh, u);
+        if (QT == QT_Q4_K) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) q[i] = (float)((byte_of(u, i) >> (4 * (j & 1))) & 0xfu);
+        } else {
+            unsigned int hb[4];
+            load16_a16(blk + 16 + 16 * hh, hb);
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                q[i] = (float)(((byte_of(u, i) >> (4 * (j & 1))) & 0xfu) | (((byte_of(hb, i) >> j) & 1u) << 4));
+        }
+    } else if (QT == QT_Q6_K) {
+        const int n = j >> 2, grp = j & 3;
+        const float d = half_bits_to_float(load_u16(blk + 208));
+        a = d * (float)(int)(signed char)blk[192 + 8 * n + 2 * grp + hh];
+        unsigned int hb[4];
+        load16_a2(blk + 64 * n + 32 * (grp & 1) + 16 * hh, u);
+        load16_a2(blk + 128 + 32 * n + 16 * hh, hb);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int lo = (int)((byte_of(u, i) >> (4 * (grp >> 1))) & 0xfu);
+            const int hi = (int)((byte_of(hb, i) >> (2 * grp)) & 3u);
+            q[i] = (float)((lo | (hi << 4)) - 32);
+        }
+    } else if (QT == QT_IQ4_XS) {
+        const float d = half_bits_to_float(load_u16(blk));
+        const unsigned int scales_h = load_u16(blk + 2);
+        const int ls = (int)(((blk[4 + (j >> 1)] >> (4 * (j & 1))) & 0xfu) | (((scales_h >> (2 * j)) & 3u) << 4));
+        a = d * (float)(ls - 32);
+        const uint2 lo2 = *(const uint2*)(blk + 8 + 16 * j);
+        const uint2 hi2 = *(const uint2*)(blk + 16 + 16 * j);
+        u[0] = lo2.x; u[1] = lo2.y; u[2] = hi2.x; u[3] = hi2.y;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = IQ4NL_VALUES[(byte_of(u, i) >> (4 * hh)) & 0xfu];
+    }
+}
+
+// y[t, o] for MV_T activation rows: each group of 32 consecutive threads (inside one warp for any
+// warp size >= 32) owns R output rows; lane l takes units l, l+32, ... of those rows, and the lanes
+// are summed with xor-shuffles inside the group. A row's result depends only on its weights and its
+// activation row (not on T, R or the other rows), so the product is batch-invariant.
+#define GROUPS_PER_BLOCK (MV_BLOCK / 32)
+
+__device__ __forceinline__ float group32_sum(float v) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR32(v, m);
+    return v;
+}
+
+template <int T, int R, int QT>
+__device__ __forceinline__ void block_matvec_impl(const unsigned char* __restrict__ w,
+                                                  const float* __restrict__ x, float* __restrict__ y,
+                                                  int n_out, int n_in, int row_bytes) {
+    const int lane = threadIdx.x & 31;
+    const int grp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * GROUPS_PER_BLOCK + grp) * R;
+    const int n_units = n_in >> 5;
+    float acc[R][T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+
+    for (int unit = lane; unit < n_units; unit += 32) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float dots[T], sums[T];
+            const int col = unit * 32 + hh * 16;
+#pragma unroll
+            for (int t = 0; t < T; ++t) { dots[t] = 0.0f; sums[t] = 0.0f; }
+            float q[R][16], a[R], b[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                load_half<QT>(w + (size_t)min(row0 + r, n_out - 1) * (size_t)row_bytes, unit, hh, q[r], a[r], b[r]);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float4* xp = (const float4*)(x + (size_t)t * n_in + col);
+                float xv[16];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float4 v = xp[k];
+                    xv[4 * k] = v.x; xv[4 * k + 1] = v.y; xv[4 * k + 2] = v.z; xv[4 * k + 3] = v.w;
+                }
+                float sx = 0.0f;
+                if (BlockType<QT>::MIN) {
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) sx += xv[i];
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float d = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) d += q[r][i] * xv[i];
+                    // Explicit FMAs: with two products the compiler's contraction order could
+                    // differ between instantiations (R, T), breaking batch invariance.
+                    acc[r][t] = BlockType<QT>::MIN ? fmaf(a[r], d, fmaf(b[r], sx, acc[r][t])) : fmaf(a[r], d, acc[r][t]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float v = group32_sum(acc[r][t]);
+            if (lane == 0 && row0 + r < n_out) y[(size_t)t * n_out + row0 + r] = v;
+        }
+    }
+}
+
+#if defined(MV_T) && defined(MV_QTYPE)
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) block_matvec(MV_ARGS) {
+    block_matvec_impl<MV_T, MV_R, MV_QTYPE>(w, x, y, n_out, n_in, row_bytes);
+}
+#endif
+
+#ifndef MV_T   // dequantisers live in the module compiled without matvec defines
 // ---------------------------------------------------------------------------------------------
 // Dequantisation of rows [row_start, row_start + n_rows) (or of the rows listed in row_ids, for
 // embedding look-ups) to f32 out[n_rows, n_in]. Products are rounded separately (__fmul_rn) so the
@@ -492,3 +726,46 @@ extern "C" __global__ void dequant_bf16(DQ_ARGS) {
         out[i] = bf16_bits_to_float(*(const unsigned short*)(w + dq_row_offset(row_ids, row_start, r, row_bytes) + 2 * (size_t)c));
     }
 }
+
+// Every block type (see load_half): one thread per 16 weights. Equal bit for bit to the CPU's
+// dequantisers (kernels/ggml_quants.py, ggml's dequantize_row_*): w = a*q + b with the product and
+// the sum rounded separately, a and b formed as there (d*sc, -(dmin*m), d*(ls-32), ...).
+template <int QT>
+__device__ __forceinline__ void dequant_block_impl(const unsigned char* __restrict__ w, const int* __restrict__ row_ids,
+                                                   int row_start, float* __restrict__ out, int n_rows, int n_in,
+                                                   int row_bytes) {
+    const int halves = n_in >> 4;
+    const size_t total = (size_t)n_rows * halves;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / halves;
+        const int hidx = (int)(i - r * halves);
+        const unsigned char* row = w + dq_row_offset(row_ids, row_start, r, row_bytes);
+        float q[16], a, b;
+        load_half<QT>(row, hidx >> 1, hidx & 1, q, a, b);
+        float* o = out + r * (size_t)n_in + (size_t)hidx * 16;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) o[k] = BlockType<QT>::MIN ? __fadd_rn(__fmul_rn(a, q[k]), b) : __fmul_rn(a, q[k]);
+    }
+}
+
+#define DQB(name, QT) \
+    extern "C" __global__ void name(DQ_ARGS) { dequant_block_impl<QT>(w, row_ids, row_start, out, n_rows, n_in, row_bytes); }
+DQB(dequant_block_q4_0, QT_Q4_0)
+DQB(dequant_block_q4_1, QT_Q4_1)
+DQB(dequant_block_q5_0, QT_Q5_0)
+DQB(dequant_block_q5_1, QT_Q5_1)
+DQB(dequant_block_q8_0, QT_Q8_0)
+DQB(dequant_block_q4_k, QT_Q4_K)
+DQB(dequant_block_q5_k, QT_Q5_K)
+DQB(dequant_block_q6_k, QT_Q6_K)
+DQB(dequant_block_iq4_xs, QT_IQ4_XS)
+
+extern "C" __global__ void dequant_f32(DQ_ARGS) {
+    const size_t total = (size_t)n_rows * n_in;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / n_in;
+        const int c = (int)(i - r * n_in);
+        out[i] = *(const float*)(w + dq_row_offset(row_ids, row_start, r, row_bytes) + 4 * (size_t)c);
+    }
+}
+#endif  // MV_T

@@ -1,0 +1,89 @@
+"""`dflashd bench` and its synthetic models, on the CPU (the GPU figures come from the device run).
+
+What the tests guard:
+- the synthetic Q4_K_M-like file must type every tensor the way llama.cpp's own Q4_K_M quantiser
+  does (otherwise "bytes per step" and the comparison with llama.cpp measure a different model):
+  checked against llama.cpp's quantiser on the same shape, including the K-quant fall-backs for
+  rows that are not whole 256-weight super-blocks;
+- the streamed file must be a valid GGUF the model loads (every tensor present, right shapes, the
+  padded vocabulary), with random blocks that keep activations finite;
+- the command prints every figure the issue asks for, writes them as JSON, and refuses a
+  27B-sized synthetic model on the CPU with a one-line usage error.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from daemons.bench import BENCH_PRESETS, q4_k_m_type, write_synthetic_gguf
+from daemons.cli import main
+from daemons.qwen35 import Qwen35Model
+from daemons.synthetic import Qwen35Shape
+
+# 16 layers so that `use_more_bits` picks a non-trivial set (first/last 2, every third between);
+# ssm_out / attn_output rows of 128 / 64 weights take the fall-back types.
+MIX_SHAPE = Qwen35Shape(n_embd=256, n_layer=16, n_ff=512, n_head=2, n_head_kv=1, head_dim=32, n_k_heads=2,
+                        n_v_heads=4, ssm_head_dim=32, n_rot=16)
+
+
+def test_q4_k_m_mix_matches_llama_cpp_quantiser(tmp_path):
+    llama_helpers = pytest.importorskip("tests.llama_helpers")
+    src = tmp_path / "f32.gguf"
+    write_synthetic_gguf(src, MIX_SHAPE, mix="f32", n_vocab=512, seed=1)
+    theirs = llama_helpers.tensor_types(llama_helpers.quantize_with_llama(src, tmp_path / "llama.gguf", "Q4_K_M"))
+    ours_path = tmp_path / "ours.gguf"
+    write_synthetic_gguf(ours_path, MIX_SHAPE, mix="q4_k_m", n_vocab=512, seed=1)
+    ours = llama_helpers.tensor_types(ours_path)
+    assert set(ours) == set(theirs)
+    diff = {k: (theirs[k], ours[k]) for k in theirs if theirs[k] != ours[k]}
+    assert not diff, f"tensor types differ from llama.cpp's Q4_K_M (llama.cpp, ours): {diff}"
+    # The mix really is mixed: Q6_K on the 'more bits' layers, fall-backs on short rows.
+    assert {"Q4_K", "Q6_K", "Q5_0"} <= set(ours.values())
+
+
+def test_q4_k_m_rules_for_the_27b_shape():
+    assert q4_k_m_type("output.weight", 5120, 64) == "Q6_K"
+    assert q4_k_m_type("token_embd.weight", 5120, 64) == "Q4_K"
+    assert q4_k_m_type("blk.0.ffn_down.weight", 17408, 64) == "Q6_K"       # first eighth
+    assert q4_k_m_type("blk.9.ffn_down.weight", 17408, 64) == "Q4_K"
+    assert q4_k_m_type("blk.10.attn_qkv.weight", 5120, 64) == "Q6_K"      # (10 - 8) % 3 == 2
+    assert q4_k_m_type("blk.63.attn_v.weight", 5120, 64) == "Q6_K"        # last eighth
+    assert q4_k_m_type("blk.20.ffn_up.weight", 5120, 64) == "Q4_K"
+
+
+def test_synthetic_q4_k_m_model_runs(tmp_path):
+    path = tmp_path / "m.gguf"
+    size = write_synthetic_gguf(path, MIX_SHAPE, mix="q4_k_m", n_vocab=700, seed=2)
+    assert size == path.stat().st_size
+    model = Qwen35Model.load(path)
+    assert model.n_vocab == 700
+    logits = model.forward(list(range(0, 700, 50)), model.new_state(32), logits="all")
+    assert logits.shape == (14, 700) and np.isfinite(logits).all()
+    assert 0.05 < float(np.std(logits)) < 100.0      # scales give O(1) activations, not 0 or blow-up
+
+
+def test_bench_command_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["bench", "--synthetic", "tiny", "--tokens", "3", "--prefill", "20",
+                                  "--widths", "1,4", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    for head in ("prefill", "decode", "verify", "bandwidth", "host", "per-op"):
+        assert any(line.startswith(head) for line in r.output.splitlines()), f"no '{head}' line:\n{r.output}"
+    data = json.loads(out.read_text())
+    assert data["decode_tok_s"] > 0 and data["prefill_tok_s"] > 0
+    assert set(data["verify_ms"]) == {"1", "4"}
+    assert data["bytes_per_step"] > 0 and 0 < data["bound_fraction"]
+    assert any(row["op"].startswith("matmul ffn_gate") for row in data["ops"])
+
+
+def test_bench_refuses_27b_on_cpu_and_bad_widths():
+    assert "qwen35-27b-q4km" in BENCH_PRESETS
+    r = CliRunner().invoke(main, ["bench", "--synthetic", "qwen35-27b-q4km"])
+    assert r.exit_code == 2 and "is for a GPU" in r.output
+    r = CliRunner().invoke(main, ["bench", "--synthetic", "tiny", "--widths", "1,x"])
+    assert r.exit_code == 2 and "--widths" in r.output
+    r = CliRunner().invoke(main, ["bench"])
+    assert r.exit_code == 2 and "exactly one of --model or --synthetic" in r.output
