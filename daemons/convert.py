@@ -543,6 +543,22 @@ def _sort_key(name: str) -> tuple:
 # entry point
 # ------------------------------------------------------------------------------------------------
 
+def _write(out_path: str | os.PathLike, arch: str, md: dict[str, Any], arrays: dict[str, np.ndarray],
+           outtype: str, *, n_vocab: int) -> ConvertResult:
+    """Write `arrays` (GGUF name -> float array) in llama.cpp's order and storage types."""
+    out = [TensorData(name, arrays[name], _storage_type(name, arrays[name], OUTTYPES[outtype]))
+           for name in sorted(arrays, key=_sort_key)]
+    out_path = Path(out_path)
+    if out_path.parent and not out_path.parent.is_dir():
+        raise ConvertError(f"{out_path.parent}: output directory does not exist")
+    try:
+        write_gguf(out_path, arch, md, out)
+    except OSError as e:
+        raise ConvertError(f"{out_path}: cannot write: {e.strerror}") from None
+    return ConvertResult(path=str(out_path), outtype=outtype, n_tensors=len(out),
+                         n_params=int(sum(t.data.size for t in out)), n_vocab=n_vocab)
+
+
 def convert_hf_to_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
                        *, name: str | None = None) -> ConvertResult:
     """Convert the HF checkpoint in `hf_dir` (config.json, *.safetensors, tokenizer.json, and
@@ -554,7 +570,6 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, o
     outtype = str(outtype).lower()
     if outtype not in OUTTYPES:
         raise ConvertError(f"outtype {outtype!r} is not supported (choose from {', '.join(OUTTYPES)})")
-    qtype = OUTTYPES[outtype]
     config = _read_json(d / "config.json", "config.json")
     cfg = _text_config(config, d / "config.json")
     tok_md = _tokenizer_metadata(d, config, cfg.vocab_size)
@@ -609,19 +624,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, o
         f"{a}.rope.dimension_count": cfg.n_rot,
         **tok_md,
     }
-    out = []
-    for gname in sorted(produced, key=_sort_key):
-        data = produced[gname]
-        out.append(TensorData(gname, data, _storage_type(gname, data, qtype)))
-    out_path = Path(out_path)
-    if out_path.parent and not out_path.parent.is_dir():
-        raise ConvertError(f"{out_path.parent}: output directory does not exist")
-    try:
-        write_gguf(out_path, ARCH, md, out)
-    except OSError as e:
-        raise ConvertError(f"{out_path}: cannot write: {e.strerror}") from None
-    return ConvertResult(path=str(out_path), outtype=outtype, n_tensors=len(out),
-                         n_params=int(sum(t.data.size for t in out)), n_vocab=cfg.vocab_size)
+    return _write(out_path, ARCH, md, produced, outtype, n_vocab=cfg.vocab_size)
 
 
 
@@ -704,16 +707,4 @@ def convert_dflash_to_gguf(zlab_dir: str | os.PathLike, out_path: str | os.PathL
                                         GGUFValueType(entry.item_type) if entry.item_type is not None else None)
         except GGUFError as e:
             raise ConvertError(str(e)) from None
-    out = []
-    for gname in sorted(tensors, key=_sort_key):
-        data = tensors[gname].dequantize()
-        out.append(TensorData(gname, data, _storage_type(gname, data, OUTTYPES[outtype])))
-    out_path = Path(out_path)
-    if out_path.parent and not out_path.parent.is_dir():
-        raise ConvertError(f"{out_path.parent}: output directory does not exist")
-    try:
-        write_gguf(out_path, a, md, out)
-    except OSError as e:
-        raise ConvertError(f"{out_path}: cannot write: {e.strerror}") from None
-    return ConvertResult(path=str(out_path), outtype=outtype, n_tensors=len(out),
-                         n_params=int(sum(t.data.size for t in out)), n_vocab=0)
+    return _write(out_path, a, md, {name: t.dequantize() for name, t in tensors.items()}, outtype, n_vocab=0)
