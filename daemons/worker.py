@@ -1078,7 +1078,6 @@ class WorkerCore:
                                 f"{self.config.snapshot_budget_bytes} bytes are held by other slots")
 
     def _generate(self, msg: Generate) -> None:
-        rid = msg.request_id
         t_start = time.perf_counter()
         rt = self.runtime
         if not rt.loaded:

@@ -214,7 +214,7 @@ class StdioWorker:
                         self._error(item.error.code, item.error.emits_terminator)
                 else:
                     self._run(item)
-            except Exception as e:  # a bug must not wedge the command loop
+            except Exception:  # a bug must not wedge the command loop
                 log.exception("command failed")
                 self._error(ErrorCode.INTERNAL, getattr(item, "EMITS_TERMINATOR", False))
 
