@@ -25,6 +25,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
                          ("daemons.convert", "ConvertError"),
                          ("daemons.sampling", "SamplingError"),
                          ("daemons.generate", "GenerationError"),
+                         ("daemons.qwen35", "ModelInputError"),
                          ("daemons.dflash", "DraftModelError"),
                          ("kernels.backend", "BackendError"),
                          ("kernels.ggml_quants", "UnsupportedQuantType")):

@@ -122,6 +122,12 @@ class GGUFTensor:
         from kernels import ggml_quants
         return ggml_quants.dequantize(self.raw, self.qtype, self.ne[0]).reshape(self.shape)
 
+    def dequantize_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the tensor viewed as (n_rows, ne[0]), as float32: a row-block,
+        without touching the rest of the tensor."""
+        from kernels import ggml_quants
+        return ggml_quants.dequantize_rows(self.raw, self.qtype, self.ne[0], start, stop)
+
 
 class _Cursor:
     """Bounds-checked little-endian reader over the mapped bytes."""

@@ -65,6 +65,7 @@ def test_round_trip_through_our_writer(tmp_path):
         np.testing.assert_array_equal(g.tensor("a32").dequantize(), a)
         np.testing.assert_array_equal(g.tensor("a16").dequantize(), a.astype(np.float16).astype(np.float32))
         assert g.tensor("a16").type_name == "F16"
+        np.testing.assert_array_equal(g.tensor("a32").dequantize_rows(1, 3), a[1:3])
 
 
 def gb_type_u64():
