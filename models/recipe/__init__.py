@@ -1,0 +1,1 @@
+"""The recipe that trains the embedded default pair (see README.md here)."""
