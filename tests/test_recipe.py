@@ -250,6 +250,26 @@ def test_blocks_see_only_their_past_and_themselves():
                 assert blk[j * B:(j + 1) * B].all() and blk.sum() == B
 
 
+def test_loop_acceptance_length_counts_steps_not_anchors():
+    """Guards the 2026-11-29 puzzle (training estimate 4.15, served AL 1.37): the uniform-anchor
+    estimate weights a long-accepting position as much as a failing one, but the loop spends one step
+    on a stretch it accepts whole. Here blocks at positions 0..7 (B = 4): position 0 accepts all 3
+    rows, everything else none; the loop takes 1 + 4 steps for 8 tokens (AL 1.6), uniform says 1.375."""
+    import torch
+
+    from models.recipe.train_draft import acceptance_estimate, loop_acceptance_length
+    B, V, A = 4, 5, 8
+    anchors = torch.arange(A)[None]
+    labels = torch.zeros(1, A + B, dtype=torch.long)          # every label is token 0
+    logits = torch.zeros(1, A, B, V)
+    logits[..., 1] = 1.0                                       # the draft says 1: wrong ...
+    logits[0, 0, :, 0] = 2.0                                   # ... except the block at position 0
+    assert acceptance_estimate(logits, labels, anchors)["estimated_al"] == 1.375
+    assert loop_acceptance_length(logits, labels, anchors) == 1.6
+    with pytest.raises(ValueError):
+        loop_acceptance_length(logits[:, ::2], labels, anchors[:, ::2])
+
+
 def test_speculative_decoding_of_the_pair_equals_greedy(pair, report, run_dir):
     """Checked here again with the loaded files (not only trusted from the report)."""
     from daemons.chat_template import ChatTemplate
