@@ -22,7 +22,6 @@ max-abs bound, plus a tighter bound against a float64 reference to show the actu
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 
@@ -36,20 +35,10 @@ from kernels.backend import BackendError
 from kernels.cpu_backend import CPUBackend
 from kernels.cuda_backend import MATVEC_CONFIGS, MATVEC_MAX_T, CudaBackend
 from kernels.matmul import QuantizedWeight, matmul as cpu_matmul
+from tests.gpu_helpers import GPU_MARKS
 
 
-def _gpu_unavailable_reason() -> str | None:
-    if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed"
-    try:
-        CudaBackend()
-    except BackendError as exc:
-        return str(exc)
-    return None
-
-
-_NO_GPU = _gpu_unavailable_reason()
-gpu_test = [pytest.mark.gpu, pytest.mark.skipif(_NO_GPU is not None, reason=f"no GPU backend: {_NO_GPU}")]
+gpu_test = GPU_MARKS
 
 
 def apply_marks(fn):

@@ -16,27 +16,14 @@ the tests guard:
 """
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from tests.gpu_helpers import GPU_MARKS
 
 
-def _gpu_unavailable_reason() -> str | None:
-    if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed"
-    from kernels.backend import BackendError
-    from kernels.cuda_backend import CudaBackend
-    try:
-        CudaBackend()
-    except BackendError as exc:
-        return str(exc)
-    return None
-
-
-_NO_GPU = _gpu_unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_NO_GPU is not None, reason=f"no GPU backend: {_NO_GPU}")]
+pytestmark = GPU_MARKS
 
 N_DECODE = 64
 # Weights: the synthetic writer's float/Q8_0 types on the "tiny" preset, and a Q4_K_M-like mix on

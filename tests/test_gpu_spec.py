@@ -10,7 +10,6 @@ Skipped at collection without CuPy or a GPU (the dev/CI machines); run on the GP
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,24 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.gpu_helpers import GPU_MARKS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _gpu_unavailable_reason() -> str | None:
-    if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed"
-    from kernels.backend import BackendError
-    from kernels.cuda_backend import CudaBackend
-    try:
-        CudaBackend()
-    except BackendError as exc:
-        return str(exc)
-    return None
-
-
-_NO_GPU = _gpu_unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_NO_GPU is not None, reason=f"no GPU backend: {_NO_GPU}")]
+pytestmark = GPU_MARKS
 
 
 @pytest.fixture(scope="module")
