@@ -1,0 +1,505 @@
+// The non-matmul kernels of the qwen35 GPU step (kernels/cuda_step.py): each is one launch that
+// does what several backend operations do on the CPU, with fixed buffers and with everything that
+// changes from step to step (positions, the state's buffers) read from device memory, so that the
+// whole step can be captured once as a CUDA graph and replayed.
+//
+//   prep_rows          RMSNorm (or nothing) of activation rows -> f16 act16 rows + block sums, the
+//                      input format of mma_matmul.cu
+//   gdn_conv           DeltaNet: causal conv + silu over the q|k|v channels, L2 norm of q and k,
+//                      the gates g = a * softplus(alpha + dt_bias) and beta = sigmoid(b)
+//   gdn_recur          DeltaNet: the gated delta rule, token by token (math §3.6), in three modes:
+//                      advance (state in place), verify (state untouched, a backup written) and
+//                      commit (replay n tokens from the backup into the state: exact rollback)
+//   gdn_out_prep       DeltaNet: gated RMSNorm of the output -> act16
+//   attn_qk_rope_kv    attention: q/k RMSNorm, partial NeoX RoPE, K/V written into the cache
+//   attn_partial       attention: softmax over a split of the keys (flash-decoding style)
+//   attn_combine_prep  attention: merge the splits, sigmoid gate -> act16
+//   argmax_rows        greedy ids on the device (first NaN, else the lowest index of the max)
+//
+// CPU counterparts: kernels/cpu_backend.py (`fused_*` methods), held equal by tests/test_fused.py.
+// Determinism: every reduction has a fixed order that depends on a row's own length only, never
+// on T, so a row gives the same bits decoded alone or inside a verify batch.
+//
+// Device params block (int32, kernels/cuda_step.py): [0] n_past (position of row 0), [1] n_keep.
+// State table (u64): per layer slot, pointers into the bound state (see cuda_step.py).
+#include "tc_common.cuh"
+
+#define FUSED_THREADS 256
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z)); }
+
+// Sum over the block in a fixed order (lanes by xor tree, warps in index order), to every thread.
+// Every thread must call it; blockDim.x a multiple of 32, at most 1024.
+__device__ float block_sum(float v, float* red /* >= 33 floats of smem */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) v += shfl_xor(v, m);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int w = 0; w < n_warps; ++w) s += red[w];
+        red[32] = s;
+    }
+    __syncthreads();
+    const float r = red[32];
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) v += shfl_xor(v, m);
+    return v;
+}
+
+// vals[0..K) (smem, natural order) -> one act16 row (f16, permuted) and its block sums. K % 8 == 0.
+// Every thread of the block must call it (shuffles).
+__device__ void prep_from_smem(const float* vals, int K, u16* __restrict__ out16, u16* __restrict__ outxs) {
+    const int n_groups = K >> 3;
+    const int n_pad = (n_groups + blockDim.x - 1) / blockDim.x * blockDim.x;
+    for (int base = 0; base < n_pad; base += blockDim.x) {
+        const int u = base + threadIdx.x;
+        const bool valid = u < n_groups;
+        float s = 0.0f;
+        if (valid) {
+            u32 packed[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const u16 h0 = f2h(vals[8 * u + e]), h1 = f2h(vals[8 * u + e + 1]);
+                s += h2f(h0);
+                s += h2f(h1);
+                packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
+            }
+            *(uint4*)(out16 + act_pos(8 * u)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
+        s += shfl_xor(s, 1);
+        s += shfl_xor(s, 2);
+        if (valid && (u & 3) == 0 && outxs != nullptr) {
+            const u16 hi = f2h(s);
+            const u16 lo = f2h(s - h2f(hi));
+            outxs[xs_pos(u >> 2)] = hi;
+            outxs[xs_pos(u >> 2) + 2] = lo;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// prep_rows: row t of the output comes from x[(row0 + t) * ld_x]. norm = 1: RMSNorm with weight w
+// (w may be null), 0: values as they are. act16 rows have ld16 halves (block sums ld16 / 16).
+// Dynamic smem: K floats.
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
+    const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
+    u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
+    DYN_SMEM(float, sm);
+    __shared__ float red[33];
+    grid_dependency_wait();
+    const int t = blockIdx.x;
+    const float* xr = x + (size_t)(row0 + t) * ld_x;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        const float v = xr[i];
+        sm[i] = v;
+        ss += v * v;
+    }
+    if (norm) {
+        ss = block_sum(ss, red);
+        const float inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
+        for (int i = threadIdx.x; i < K; i += blockDim.x) {
+            float v = sm[i] * inv;
+            if (w != nullptr) v = v * w[i];
+            sm[i] = v;
+        }
+    }
+    __syncthreads();
+    prep_from_smem(sm, K, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// gdn_conv. qkv[T][C] (row stride ldq) = the raw projection (q heads | k heads | v heads); the conv
+// state [Kc-1][C] (row 0 oldest) is at tbl[slot]; conv_w[C][Kc], tap Kc-1 on the newest input.
+// ab[T][2*nv] = alpha (no bias yet) | beta logits. Writes rec[T][R], R = 2*nk*dk + nv*dv + 2*nv:
+// q (L2-normalised) | k (L2-normalised) | v | g | beta. write_state: advance the conv state in
+// place (decode / prefill); 0 for verify. state_save (verify): the conv state is copied there
+// ([Kc-1][C], rows in front of qkv in the layer's verify record [Kc-1+T][C], so that
+// gdn_commit_conv can rebuild the state after any prefix from the record alone).
+// grid: 2*nk + nv + 1 blocks (q heads, k heads, v heads, one for the gates); dynamic smem T*width floats.
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
+    const float* __restrict__ qkv, int ldq, const unsigned long long* __restrict__ tbl, int slot,
+    const float* __restrict__ conv_w, const float* __restrict__ ab, const float* __restrict__ dt_bias,
+    const float* __restrict__ ssm_a, float* __restrict__ rec, int T, int nk, int nv, int dk, int dv, int Kc,
+    float eps, int write_state, float* __restrict__ state_save) {
+    DYN_SMEM(float, sm);
+    __shared__ float red[33];
+    grid_dependency_wait();
+    const int b = blockIdx.x;
+    const int C = 2 * nk * dk + nv * dv;
+    const int R = C + 2 * nv;
+    if (b == 2 * nk + nv) {              // gates
+        for (int i = threadIdx.x; i < T * nv; i += blockDim.x) {
+            const int t = i / nv, h = i % nv;
+            const float a = ab[(size_t)t * 2 * nv + h] + dt_bias[h];
+            const float bl = ab[(size_t)t * 2 * nv + nv + h];
+            const float sp = a > 20.0f ? a : log1pf(expf(fminf(a, 20.0f)));
+            rec[(size_t)t * R + C + h] = ssm_a[h] * sp;
+            rec[(size_t)t * R + C + nv + h] = 1.0f / (1.0f + expf(-bl));
+        }
+        return;
+    }
+    int ch0, width;
+    bool normed;
+    if (b < nk) { ch0 = b * dk; width = dk; normed = true; }
+    else if (b < 2 * nk) { ch0 = nk * dk + (b - nk) * dk; width = dk; normed = true; }
+    else { ch0 = 2 * nk * dk + (b - 2 * nk) * dv; width = dv; normed = false; }
+    float* state = (float*)tbl[slot];
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const int ch = ch0 + i;
+        float win[8];                    // the last Kc-1 inputs, oldest first (Kc <= 8)
+        for (int j = 0; j < Kc - 1; ++j) win[j] = state[(size_t)j * C + ch];
+        if (state_save != nullptr)
+            for (int j = 0; j < Kc - 1; ++j) state_save[(size_t)j * C + ch] = win[j];
+        const float* wr = conv_w + (size_t)ch * Kc;
+        for (int t = 0; t < T; ++t) {
+            const float xt = qkv[(size_t)t * ldq + ch];
+            float y = win[0] * wr[0];
+            for (int j = 1; j < Kc - 1; ++j) y += win[j] * wr[j];
+            y += xt * wr[Kc - 1];
+            for (int j = 0; j + 1 < Kc - 1; ++j) win[j] = win[j + 1];
+            if (Kc > 1) win[Kc - 2] = xt;
+            sm[t * width + i] = y / (1.0f + expf(-y));
+        }
+        if (write_state)
+            for (int j = 0; j < Kc - 1; ++j) state[(size_t)j * C + ch] = win[j];
+    }
+    __syncthreads();
+    for (int t = 0; t < T; ++t) {
+        float inv = 1.0f;
+        if (normed) {
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < width; i += blockDim.x) ss += sm[t * width + i] * sm[t * width + i];
+            ss = block_sum(ss, red);
+            inv = (float)(1.0 / sqrt((double)ss + (double)eps));
+        }
+        for (int i = threadIdx.x; i < width; i += blockDim.x)
+            rec[(size_t)t * R + ch0 + i] = normed ? sm[t * width + i] * inv : sm[t * width + i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gdn_recur. Per layer slot z (grid.z): tbl[4z + 0] rec[T][R] (gdn_conv's output), [1] the state
+// read (d_k x d_v per head), [2] the state written (0: none), [3] a copy of the state read (0: none).
+// T = *n_dev when n_dev is not null (commit: n_keep from the params block). out [T][nv*dv] may be
+// null (commit). Mapping as kernels/deltanet.cu: a block owns 32 value columns of one head, each
+// column split over 4 adjacent threads holding RPT rows in registers.
+#define GDN_COLS 32
+#define GDN_PARTS 4
+
+template <int RPT>
+__device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
+                                               const int* __restrict__ n_dev, float* __restrict__ out,
+                                               int nk, int nv, int dk, int dv, float scale) {
+    grid_dependency_wait();
+    const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
+    const float* rec = (const float*)tbl[4 * z + 0];
+    const float* S_in = (const float*)tbl[4 * z + 1] + (size_t)h * dk * dv;
+    float* S_out = tbl[4 * z + 2] ? (float*)tbl[4 * z + 2] + (size_t)h * dk * dv : nullptr;
+    float* S_bak = tbl[4 * z + 3] ? (float*)tbl[4 * z + 3] + (size_t)h * dk * dv : nullptr;
+    if (n_dev != nullptr) T = n_dev[0];
+    const int C = 2 * nk * dk + nv * dv, R = C + 2 * nv;
+    const int col = blockIdx.x * GDN_COLS + (threadIdx.x / GDN_PARTS);
+    const int part = threadIdx.x % GDN_PARTS;
+    const bool col_ok = col < dv;
+    const int i0 = part * RPT;
+
+    float s[RPT];
+#pragma unroll
+    for (int ii = 0; ii < RPT; ++ii) {
+        const int i = i0 + ii;
+        s[ii] = (col_ok && i < dk) ? S_in[(size_t)i * dv + col] : 0.0f;
+        if (S_bak != nullptr && col_ok && i < dk) S_bak[(size_t)i * dv + col] = s[ii];
+    }
+    for (int t = 0; t < T; ++t) {
+        const float* rt = rec + (size_t)t * R;
+        const float decay = expf(rt[C + h]);
+        const float bt = rt[C + nv + h];
+        const float* qt = rt + kh * dk;
+        const float* kt = rt + nk * dk + kh * dk;
+        float kr[RPT];
+        float kv = 0.0f;
+#pragma unroll
+        for (int ii = 0; ii < RPT; ++ii) {
+            const int i = i0 + ii;
+            kr[ii] = (i < dk) ? kt[i] : 0.0f;
+            s[ii] *= decay;
+            kv += s[ii] * kr[ii];
+        }
+        kv += shfl_xor(kv, 1);
+        kv += shfl_xor(kv, 2);
+        const float vt = col_ok ? rt[2 * nk * dk + h * dv + col] : 0.0f;
+        const float delta = bt * (vt - kv);
+        float o = 0.0f;
+#pragma unroll
+        for (int ii = 0; ii < RPT; ++ii) {
+            const int i = i0 + ii;
+            s[ii] += kr[ii] * delta;
+            o += s[ii] * ((i < dk) ? qt[i] : 0.0f);
+        }
+        o += shfl_xor(o, 1);
+        o += shfl_xor(o, 2);
+        if (out != nullptr && col_ok && part == 0) out[((size_t)t * nv + h) * dv + col] = o * scale;
+    }
+    if (S_out != nullptr && col_ok) {
+#pragma unroll
+        for (int ii = 0; ii < RPT; ++ii) {
+            const int i = i0 + ii;
+            if (i < dk) S_out[(size_t)i * dv + col] = s[ii];
+        }
+    }
+}
+
+#define GDN_ARGS const unsigned long long* __restrict__ tbl, int T, const int* __restrict__ n_dev, \
+                 float* __restrict__ out, int nk, int nv, int dk, int dv, float scale
+#define GDN_CALL tbl, T, n_dev, out, nk, nv, dk, dv, scale
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r2(GDN_ARGS) { gdn_recur_impl<2>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r8(GDN_ARGS) { gdn_recur_impl<8>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r16(GDN_ARGS) { gdn_recur_impl<16>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r32(GDN_ARGS) { gdn_recur_impl<32>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r64(GDN_ARGS) { gdn_recur_impl<64>(GDN_CALL); }
+
+// gdn_commit_conv: the conv state after n = params[1] tokens of a verified block is rows n..n+Kc-2
+// of the layer's verify record [Kc-1+T][C] (the state before the block, then the block's inputs).
+// Per layer slot z (grid.y): tbl[2z] the record, tbl[2z+1] the conv state [Kc-1][C].
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_commit_conv(
+    const unsigned long long* __restrict__ tbl, const int* __restrict__ params, int C, int Kc) {
+    const int z = blockIdx.y;
+    const float* rec = (const float*)tbl[2 * z];
+    float* state = (float*)tbl[2 * z + 1];
+    const int n = params[1];
+    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < C; ch += gridDim.x * blockDim.x)
+        for (int j = 0; j < Kc - 1; ++j) state[(size_t)j * C + ch] = rec[(size_t)(n + j) * C + ch];
+}
+
+// ---------------------------------------------------------------------------------------------
+// gdn_out_prep: y[t, h] = RMSNorm(o[t, h]; w) * silu(z[t, h]) over d_v, then act16. grid T,
+// dynamic smem nv*dv floats.
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
+    const float* __restrict__ o, const float* __restrict__ zb, int ldz, const float* __restrict__ w, float eps,
+    int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
+    DYN_SMEM(float, sm);
+    grid_dependency_wait();
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    for (int h = warp; h < nv; h += n_warps) {
+        const float* oh = o + ((size_t)t * nv + h) * dv;
+        float ss = 0.0f;
+        for (int i = lane; i < dv; i += 32) ss += oh[i] * oh[i];
+        ss = warp_sum(ss);
+        const float inv = (float)(1.0 / sqrt((double)ss / (double)dv + (double)eps));
+        const float* zh = zb + (size_t)t * ldz + (size_t)h * dv;
+        for (int i = lane; i < dv; i += 32) sm[h * dv + i] = silu_f(zh[i]) * (oh[i] * inv * w[i]);
+    }
+    __syncthreads();
+    prep_from_smem(sm, nv * dv, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// attn_qk_rope_kv. qg[T][2*H*D] (per head: D q values, then D gate values), k/v[T][Hkv*D].
+// Writes q (normed, rotated) to qout[T][H][D] and k (normed, rotated) / v into the cache of the
+// bound state: tbl[slot] k_cache [Hkv][ctx][D], tbl[slot+1] v_cache, tbl[slot+2] = ctx.
+// Position of row t: params[0] + t. grid (H + 2*Hkv, T), block >= D threads (D <= 256).
+__device__ __forceinline__ float rope_one(const float* xs, int i, int D, int n_rot, double pos, double theta) {
+    const int half = n_rot >> 1;
+    if (i >= n_rot) return xs[i];
+    const int j = i < half ? i : i - half;
+    const double inv_freq = pow(theta, (-2.0 * (double)j) / (double)n_rot);
+    const float angle = (float)fmod(pos * inv_freq, 6.283185307179586);
+    const float cs = cosf(angle), sn = sinf(angle);
+    const float x1 = xs[j], x2 = xs[j + half];
+    return i < half ? x1 * cs - x2 * sn : x1 * sn + x2 * cs;
+}
+
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
+    const float* __restrict__ qg, const float* __restrict__ kb, const float* __restrict__ vb,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps, const int* __restrict__ params,
+    const unsigned long long* __restrict__ tbl, int slot, float* __restrict__ qout, int H, int Hkv, int D,
+    int n_rot, double theta) {
+    __shared__ float xsm[256];
+    __shared__ float red[33];
+    grid_dependency_wait();
+    const int hh = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    const int pos = params[0] + t;
+    const int ctx = (int)tbl[slot + 2];
+    const float* src;
+    const float* nw;
+    if (hh < H) { src = qg + (size_t)t * 2 * H * D + (size_t)hh * 2 * D; nw = q_norm; }
+    else if (hh < H + Hkv) { src = kb + (size_t)t * Hkv * D + (size_t)(hh - H) * D; nw = k_norm; }
+    else {
+        const int kvh = hh - H - Hkv;
+        float* vc = (float*)tbl[slot + 1];
+        if (i < D) vc[((size_t)kvh * ctx + pos) * D + i] = vb[(size_t)t * Hkv * D + (size_t)kvh * D + i];
+        return;
+    }
+    const float v = i < D ? src[i] : 0.0f;
+    const float ss = block_sum(v * v, red);
+    const float inv = (float)(1.0 / sqrt((double)ss / (double)D + (double)eps));
+    if (i < D) xsm[i] = (v * inv) * nw[i];
+    __syncthreads();
+    if (i < D) {
+        const float r = rope_one(xsm, i, D, n_rot, (double)pos, theta);
+        if (hh < H) qout[((size_t)t * H + hh) * D + i] = r;
+        else {
+            float* kc = (float*)tbl[slot];
+            kc[((size_t)(hh - H) * ctx + pos) * D + i] = r;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attn_partial. Row t (position p = params[0] + t) attends to cache rows 0..p. Split s of n_split
+// covers rows [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 64: a
+// function of p only. Inside a split, warp w takes rows w, w+4, ...; online softmax per warp, the
+// warps merged in order. Writes (m, l) and the unnormalised o of the split. grid (n_split, H, T),
+// 128 threads, D <= 256.
+#define ATT_WARPS 4
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
+    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
+    int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
+    float scale) {
+    __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
+    __shared__ float s_o[ATT_WARPS][256];
+    grid_dependency_wait();
+    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kvh = h / (H / Hkv);
+    const int n_keys = params[0] + t + 1;
+    const int ctx = (int)tbl[slot + 2];
+    const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
+    const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
+    int chunk = (n_keys + n_split - 1) / n_split;
+    chunk = (chunk + 63) & ~63;
+    const int j0 = s * chunk, j1 = min(j0 + chunk, n_keys);
+    const float* qr = q + ((size_t)t * H + h) * D;
+    float qv[8], acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int d = lane + 32 * e;
+        qv[e] = d < D ? qr[d] : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
+        const float* kr = kc + (size_t)j * D;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int d = lane + 32 * e;
+            if (d < D) dot += qv[e] * kr[d];
+        }
+        dot = warp_sum(dot) * scale;
+        const float m_new = fmaxf(m, dot);
+        const float corr = expf(m - m_new);
+        const float p = expf(dot - m_new);
+        l = l * corr + p;
+        const float* vr = vc + (size_t)j * D;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int d = lane + 32 * e;
+            if (d < D) acc[e] = acc[e] * corr + p * vr[d];
+        }
+        m = m_new;
+    }
+    if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int d = lane + 32 * e;
+        if (d < D) s_o[warp][d] = acc[e];
+    }
+    __syncthreads();
+    float M = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, s_m[w]);
+    const size_t slot_i = ((size_t)t * H + h) * n_split + s;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w)
+            if (s_l[w] > 0.0f) o += s_o[w][d] * expf(s_m[w] - M);
+        part_o[slot_i * D + d] = o;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w)
+            if (s_l[w] > 0.0f) L += s_l[w] * expf(s_m[w] - M);
+        part_ml[slot_i * 2] = M;
+        part_ml[slot_i * 2 + 1] = L;
+    }
+}
+
+// attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
+// values of head h in qg), then act16. grid T, dynamic smem H*D floats.
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ qg, int H,
+    int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
+    DYN_SMEM(float, sm);
+    grid_dependency_wait();
+    const int t = blockIdx.x;
+    for (int idx = threadIdx.x; idx < H * D; idx += blockDim.x) {
+        const int h = idx / D, d = idx % D;
+        const size_t base = ((size_t)t * H + h) * n_split;
+        float M = NEG_INF;
+        for (int s = 0; s < n_split; ++s)
+            if (part_ml[(base + s) * 2 + 1] > 0.0f) M = fmaxf(M, part_ml[(base + s) * 2]);
+        float L = 0.0f, o = 0.0f;
+        for (int s = 0; s < n_split; ++s) {
+            const float ls = part_ml[(base + s) * 2 + 1];
+            if (ls > 0.0f) {
+                const float f = expf(part_ml[(base + s) * 2] - M);
+                L += ls * f;
+                o += part_o[(base + s) * D + d] * f;
+            }
+        }
+        o = L > 0.0f ? o / L : 0.0f;
+        const float gt = qg[(size_t)t * 2 * H * D + (size_t)h * 2 * D + D + d];
+        sm[idx] = o / (1.0f + expf(-gt));
+    }
+    __syncthreads();
+    prep_from_smem(sm, H * D, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// argmax_rows: out[t] = argmax of x[t][0..V) (row stride ld), numpy's rules.
+__device__ __forceinline__ bool am_better(float a, int ia, float b, int ib) {
+    if (ib < 0) return ia >= 0;
+    if (ia < 0) return false;
+    const bool na = a != a, nb = b != b;
+    if (na != nb) return na;
+    if (!na && a != b) return a > b;
+    return ia < ib;
+}
+
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(const float* __restrict__ x, int V, int ld,
+                                                                       int* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    grid_dependency_wait();
+    const int t = blockIdx.x;
+    const float* xr = x + (size_t)t * ld;
+    float bv = 0.0f;
+    int bi = -1;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const float v = xr[i];
+        if (am_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+        const float ov = shfl_xor(bv, m);
+        const int oi = shfl_xor(bi, m);
+        if (am_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+            if (am_better(sv[w], si[w], bv, bi)) { bv = sv[w]; bi = si[w]; }
+        out[t] = bi;
+    }
+}

@@ -1,0 +1,318 @@
+"""Launch builders for the GPU step: tensor-core weights (kernels/mma_matmul.cu) and the fused
+kernels (kernels/fused.cu), as prepared launches ("ops") with fixed buffers and arguments.
+
+A model's GPU step (daemons/qwen35_gpu.py) is a list of ops; running the list is one forward, and
+capturing it once per (batch width, mode) as a CUDA graph makes later steps a single graph launch.
+Everything that changes between steps lives in device memory the ops read: the params block
+(positions, the rollback length, token ids) and the state table (pointers into the bound state).
+
+`FusedGpu` needs from its device object only `xp` (array module), `_kernel(source, name,
+defines)`, `ptr(array)` and `multiprocessors`: `kernels.cuda_backend.CudaBackend` on a GPU, and
+`tests.emu.EmuDevice` (the same kernel sources built for the CPU) in the CPU test suite.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["FusedGpu", "TcWeight", "ActBuffer", "Op", "MmWorkspace", "TC_TYPES", "MAX_T", "UNIT_BYTES",
+           "MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "mm_rt", "choose_splits", "TC_TYPE_NAMES"]
+
+MAX_T = 32                          # activation rows one launch handles (4 MMA column tiles)
+QT_F16, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K = 1, 8, 12, 13, 14
+UNIT_BYTES = {QT_F16: 8192, QT_Q8_0: 4352, QT_Q4_K: 2304, QT_Q5_K: 2816, QT_Q6_K: 3360}
+TC_TYPES = tuple(UNIT_BYTES)
+TC_TYPE_NAMES = {QT_F16: "F16", QT_Q8_0: "Q8_0", QT_Q4_K: "Q4_K", QT_Q5_K: "Q5_K", QT_Q6_K: "Q6_K"}
+_GGUF_BLOCK = {QT_F16: (1, 2), QT_Q8_0: (32, 34), QT_Q4_K: (256, 144), QT_Q5_K: (256, 176), QT_Q6_K: (256, 210)}
+MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
+MM_THREADS = 128
+FUSED_THREADS = 256
+SEG_DTYPE = np.dtype([("w", "<u8"), ("y", "<u8"), ("n_rows", "<i4"), ("n_tiles", "<i4"), ("ldy", "<i4"),
+                      ("pad", "<i4")])
+GDN_COLS = 32
+GDN_RPT = (2, 8, 16, 32, 64)        # gdn_recur_r*: d_k <= 4 * RPT
+ATT_SPLITS = 8                      # key splits per (row, head) in attn_partial
+
+
+def mm_rt(nt: int) -> int:
+    """Tiles per warp for NT column tiles: 2 halves the activation traffic of wide batches (more
+    registers); the result is the same either way."""
+    return 1 if nt <= 2 else 2
+
+
+def choose_splits(n_tiles: int, n_sb: int, n_sm: int) -> int:
+    """Superblock splits (grid.y) of a launch: enough thread blocks to fill the device (about 4 per
+    multiprocessor at one tile per warp), at least 2 superblocks per split. A function of the
+    matrix only, never of the batch width, so that rows are batch-invariant."""
+    n_rb = -(-n_tiles // 4)
+    target = 4 * n_sm
+    if n_rb >= target or n_sb < 4:
+        return 1
+    return max(1, min(n_sb // 2, round(target / n_rb)))
+
+
+@dataclass(frozen=True, eq=False)
+class TcWeight:
+    """A matrix (n_out, n_in) in the tensor-core unit layout of kernels/mma_matmul.cu: the GGUF block
+    bytes of each 16-row x 256-column unit, reordered (same size, nothing dequantised)."""
+
+    name: str
+    qtype: int
+    n_out: int
+    n_in: int
+    n_sb: int
+    n_tiles: int
+    nbytes: int        # bytes of the GGUF matrix (what a step reads)
+    data: Any          # uint8 device array, n_tiles * n_sb * UNIT_BYTES[qtype]
+
+    @property
+    def type_name(self) -> str:
+        return TC_TYPE_NAMES[self.qtype]
+
+
+class ActBuffer:
+    """Activation rows in the tensor-core layout: x16 [MAX_T][n_sb*256] f16 (uint16 bits) and block
+    sums xs [MAX_T][n_sb*16]. Allocated zeroed; columns past K are never written, so they stay zero
+    (the weights there are zero too)."""
+
+    def __init__(self, xp, K: int):
+        if K % 8:
+            raise ValueError(f"activation rows of {K} values: the tensor-core layout needs a multiple of 8")
+        self.K = int(K)
+        self.n_sb = -(-self.K // 256)
+        self.ld16 = self.n_sb * 256
+        self.x16 = xp.zeros((MAX_T, self.ld16), dtype=xp.uint16)
+        self.xs = xp.zeros((MAX_T, self.n_sb * 16), dtype=xp.uint16)
+
+
+class MmWorkspace:
+    """Split-K partial sums and the per-row-block counters shared by every matmul of a step (the
+    launches run one after another; the last block of each row block resets its counter)."""
+
+    def __init__(self, xp, n_floats: int, n_counters: int):
+        self.ws = xp.zeros(max(1, n_floats), dtype=xp.float32)
+        self.counters = xp.zeros(max(1, n_counters), dtype=xp.int32)
+
+
+@dataclass
+class Op:
+    """One prepared kernel launch."""
+
+    label: str
+    kernel: Any
+    grid: tuple
+    block: tuple
+    args: tuple
+    smem: int = 0
+    weight_bytes: int = 0
+    keep: tuple = field(default_factory=tuple)     # device arrays the arguments point into
+
+    def __call__(self) -> None:
+        self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
+
+
+class FusedGpu:
+    def __init__(self, dev: Any):
+        self.dev = dev
+        self.xp = dev.xp
+        self.n_sm = int(getattr(dev, "multiprocessors", 132))
+
+    def _k(self, source: str, name: str, defines: tuple[str, ...] = ()):
+        return self.dev._kernel(source, name, defines)
+
+    def ptr(self, a) -> int:
+        return int(self.dev.ptr(a))
+
+    def _smem(self, kern, nbytes: int) -> None:
+        if nbytes > 48 * 1024 and hasattr(kern, "max_dynamic_shared_size_bytes"):
+            if kern.max_dynamic_shared_size_bytes < nbytes:
+                kern.max_dynamic_shared_size_bytes = nbytes
+
+    # -- weights --------------------------------------------------------------------------------
+    def repack(self, name: str, qtype: int, n_out: int, n_in: int, raw: np.ndarray) -> TcWeight:
+        """GGUF rows raw uint8 [n_out, row_bytes] -> TcWeight (done on the device)."""
+        xp = self.xp
+        qtype = int(qtype)
+        if qtype not in UNIT_BYTES:
+            raise ValueError(f"weight '{name}': type {qtype} has no tensor-core layout")
+        bw, bb = _GGUF_BLOCK[qtype]
+        if n_in % bw:
+            raise ValueError(f"weight '{name}': {n_in} columns is not a multiple of the block size {bw}")
+        row_bytes = n_in // bw * bb
+        raw = np.ascontiguousarray(raw)
+        if raw.dtype != np.uint8 or raw.shape != (n_out, row_bytes):
+            raise ValueError(f"weight '{name}': raw bytes {raw.dtype}{list(raw.shape)}, expected uint8[{n_out}, {row_bytes}]")
+        n_sb = -(-n_in // 256)
+        n_tiles = -(-n_out // 16)
+        unit = UNIT_BYTES[qtype]
+        n_words = n_tiles * n_sb * unit // 4
+        out = xp.zeros(n_tiles * n_sb * unit, dtype=xp.uint8)
+        raw_dev = xp.asarray(raw)
+        grid = (max(1, min(-(-n_words // 256), 1 << 16)),)
+        base = (raw_dev, out, np.int32(n_out), np.int32(row_bytes), np.int32(n_sb))
+        if qtype == QT_Q4_K:
+            self._k("mma_matmul.cu", "repack_q4_k")(grid, (256,), base + (np.int64(n_words),))
+        elif qtype == QT_Q5_K:
+            self._k("mma_matmul.cu", "repack_q5_k")(grid, (256,), base + (np.int64(n_words),))
+        elif qtype == QT_Q6_K:
+            self._k("mma_matmul.cu", "repack_q6_k")(grid, (256,), base + (np.int64(n_words),))
+        elif qtype == QT_Q8_0:
+            self._k("mma_matmul.cu", "repack_q8_0")(grid, (256,), base + (np.int32(n_in // 32), np.int64(n_words)))
+        else:
+            self._k("mma_matmul.cu", "repack_f16")(grid, (256,), base + (np.int32(n_in), np.int64(n_words)))
+        del raw_dev
+        return TcWeight(str(name), qtype, int(n_out), int(n_in), n_sb, n_tiles, n_out * row_bytes, out)
+
+    # -- matmul ---------------------------------------------------------------------------------
+    def mm_grid(self, weights: Sequence[TcWeight], mode: int, T: int) -> tuple[int, int, int]:
+        """(grid.x, splits, RT) of a launch over `weights`."""
+        nt = -(-T // 8)
+        rt = mm_rt(nt)
+        if mode == MODE_SWIGLU:
+            gx = -(-weights[0].n_tiles // (2 * rt))
+            splits = choose_splits(2 * weights[0].n_tiles, weights[0].n_sb, self.n_sm)
+        else:
+            gx = sum(-(-w.n_tiles // (4 * rt)) for w in weights)
+            splits = choose_splits(sum(w.n_tiles for w in weights), weights[0].n_sb, self.n_sm)
+        return gx, splits, rt
+
+    def workspace_need(self, weights: Sequence[TcWeight], mode: int) -> tuple[int, int]:
+        """(floats, counters) the launch needs at the widest batch (T = MAX_T) and for any RT."""
+        need_f, need_c = 0, 0
+        for T in (8, MAX_T):
+            gx, splits, rt = self.mm_grid(weights, mode, T)
+            if splits > 1:
+                need_f = max(need_f, gx * splits * MAX_T * 64 * rt)
+            need_c = max(need_c, gx)
+        return need_f, need_c
+
+    def op_mm(self, label: str, segs: Sequence[tuple[TcWeight, Any, int, int]], act: ActBuffer, T: int, mode: int,
+              ws: MmWorkspace, out_act: ActBuffer | None = None) -> Op:
+        """y = act @ W.T for each segment (weight, y array, element offset into y, row stride of y);
+        all weights share type and n_in. MODE_SWIGLU: segs = (gate, up), output into out_act."""
+        xp = self.xp
+        weights = [s[0] for s in segs]
+        qt, n_sb = weights[0].qtype, weights[0].n_sb
+        if any(w.qtype != qt or w.n_sb != n_sb for w in weights):
+            raise ValueError(f"{label}: one launch needs one type and one width ({[w.name for w in weights]})")
+        if n_sb != act.n_sb:
+            raise ValueError(f"{label}: activations of {act.K} columns for weights of {weights[0].n_in}")
+        if not 1 <= T <= MAX_T:
+            raise ValueError(f"{label}: T={T} outside 1..{MAX_T}")
+        if mode == MODE_SWIGLU and (len(segs) != 2 or weights[0].n_out != weights[1].n_out or out_act is None):
+            raise ValueError(f"{label}: SwiGLU needs gate and up of one shape and an output buffer")
+        nt = -(-T // 8)
+        gx, splits, rt = self.mm_grid(weights, mode, T)
+        table = np.zeros(len(segs), dtype=SEG_DTYPE)
+        keep = [act.x16, act.xs]
+        for i, (w, y, off, ldy) in enumerate(segs):
+            table[i]["w"] = self.ptr(w.data)
+            table[i]["y"] = (self.ptr(y) + 4 * int(off)) if y is not None else 0
+            table[i]["n_rows"] = w.n_out
+            table[i]["n_tiles"] = w.n_tiles
+            table[i]["ldy"] = int(ldy)
+            keep += [w.data] + ([y] if y is not None else [])
+        seg_dev = xp.asarray(table.view(np.uint8))
+        keep.append(seg_dev)
+        if splits > 1 and ws.ws.size < gx * splits * T * 64 * rt:
+            raise ValueError(f"{label}: workspace too small")
+        if ws.counters.size < gx:
+            raise ValueError(f"{label}: counters too few")
+        kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_RT={rt}", f"MM_MODE={mode}"))
+        out16 = out_act.x16 if out_act is not None else None
+        outxs = out_act.xs if out_act is not None else None
+        ld_out = out_act.ld16 if out_act is not None else 0
+        args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), np.int32(splits), ws.ws,
+                ws.counters, out16, outxs, np.int32(ld_out))
+        return Op(label, kern, (gx, splits), (MM_THREADS,), args, 0, sum(w.nbytes for w in weights), tuple(keep))
+
+    # -- fused kernels ----------------------------------------------------------------------------
+    def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,
+                     n_rows: int) -> Op:
+        kern = self._k("fused.cu", "prep_rows")
+        smem = 4 * K
+        self._smem(kern, smem)
+        args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
+                act.x16, act.xs, np.int32(act.ld16))
+        return Op(label, kern, (n_rows,), (FUSED_THREADS,), args, smem)
+
+    def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
+        """out[0:T] = rows ids_dev[0:T] of the raw GGUF embedding (kernels.cuda_backend.GpuWeight)."""
+        from kernels import cuda_backend as cb
+        qt = weight.qtype
+        kern = self._k("quant_matvec.cu", cb._DEQUANT_NAMES[qt])
+        total = T * weight.n_in
+        per_thread = 16 if qt in cb._GENERIC_MATVEC_TYPES else 1
+        grid = (max(1, min((total // per_thread + 255) // 256, 65535)),)
+        args = (weight.data, ids_dev, np.int32(0), out, np.int32(T), np.int32(weight.n_in), np.int32(weight.row_bytes))
+        return Op(label, kern, grid, (256,), args)
+
+    def op_gdn_conv(self, label: str, qkv, ldq: int, tbl, slot: int, conv_w, ab, dt_bias, ssm_a, rec, T: int,
+                    nk: int, nv: int, dk: int, dv: int, kc: int, eps: float, write_state: bool, state_save=None) -> Op:
+        if kc > 8:
+            raise ValueError(f"conv kernel of {kc} taps (gdn_conv handles up to 8)")
+        kern = self._k("fused.cu", "gdn_conv")
+        width = max(dk, dv)
+        smem = 4 * T * width
+        self._smem(kern, smem)
+        args = (qkv, np.int32(ldq), tbl, np.int32(slot), conv_w, ab, dt_bias, ssm_a, rec, np.int32(T), np.int32(nk),
+                np.int32(nv), np.int32(dk), np.int32(dv), np.int32(kc), np.float32(eps), np.int32(1 if write_state else 0),
+                state_save)
+        return Op(label, kern, (2 * nk + nv + 1,), (FUSED_THREADS,), args, smem)
+
+    def op_gdn_recur(self, label: str, tbl, n_slots: int, T: int, n_dev, out, nk: int, nv: int, dk: int,
+                     dv: int) -> Op:
+        rpt = next((r for r in GDN_RPT if 4 * r >= dk), None)
+        if rpt is None:
+            raise ValueError(f"d_k = {dk} exceeds the kernel's {4 * GDN_RPT[-1]}")
+        kern = self._k("fused.cu", f"gdn_recur_r{rpt}")
+        args = (tbl, np.int32(T), n_dev, out, np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv),
+                np.float32(1.0 / math.sqrt(dk)))
+        return Op(label, kern, (-(-dv // GDN_COLS), nv, n_slots), (GDN_COLS * 4,), args)
+
+    def op_gdn_commit_conv(self, label: str, tbl, n_slots: int, params, C: int, kc: int) -> Op:
+        kern = self._k("fused.cu", "gdn_commit_conv")
+        args = (tbl, params, np.int32(C), np.int32(kc))
+        return Op(label, kern, (max(1, min(-(-C // FUSED_THREADS), 1024)), n_slots), (FUSED_THREADS,), args)
+
+    def op_gdn_out_prep(self, label: str, o, z, ldz: int, w, eps: float, nv: int, dv: int, act: ActBuffer, T: int) -> Op:
+        kern = self._k("fused.cu", "gdn_out_prep")
+        smem = 4 * nv * dv
+        self._smem(kern, smem)
+        args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.xs, np.int32(act.ld16))
+        return Op(label, kern, (T,), (FUSED_THREADS,), args, smem)
+
+    def op_attn_qk_rope_kv(self, label: str, qg, k, v, q_norm, k_norm, eps: float, params, tbl, slot: int, qout,
+                           H: int, Hkv: int, D: int, n_rot: int, theta: float, T: int) -> Op:
+        if D > 256:
+            raise ValueError(f"head dim {D} (the fused attention kernels handle up to 256)")
+        kern = self._k("fused.cu", "attn_qk_rope_kv")
+        args = (qg, k, v, q_norm, k_norm, np.float32(eps), params, tbl, np.int32(slot), qout, np.int32(H),
+                np.int32(Hkv), np.int32(D), np.int32(n_rot), np.float64(theta))
+        return Op(label, kern, (H + 2 * Hkv, T), (max(32, -(-D // 32) * 32),), args)
+
+    def op_attn_partial(self, label: str, q, params, tbl, slot: int, part_o, part_ml, H: int, Hkv: int, D: int,
+                        scale: float, T: int) -> Op:
+        kern = self._k("fused.cu", "attn_partial")
+        args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
+                np.int32(ATT_SPLITS), np.float32(scale))
+        return Op(label, kern, (ATT_SPLITS, H, T), (128,), args)
+
+    def op_attn_combine_prep(self, label: str, part_o, part_ml, qg, H: int, D: int, act: ActBuffer, T: int) -> Op:
+        kern = self._k("fused.cu", "attn_combine_prep")
+        smem = 4 * H * D
+        self._smem(kern, smem)
+        args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(ATT_SPLITS), act.x16, act.xs, np.int32(act.ld16))
+        return Op(label, kern, (T,), (FUSED_THREADS,), args, smem)
+
+    def op_argmax(self, label: str, logits, V: int, ld: int, out_ids, n_rows: int) -> Op:
+        kern = self._k("fused.cu", "argmax_rows")
+        return Op(label, kern, (n_rows,), (FUSED_THREADS,), (logits, np.int32(V), np.int32(ld), out_ids))
+
+
+def run_ops(ops: Sequence[Callable[[], None]]) -> None:
+    for op in ops:
+        op()

@@ -1,0 +1,755 @@
+// Quantised matrix products for 1..32 activation rows on tensor cores (m16n8k16, f16 in, f32
+// accumulate), reading every weight byte once per launch whatever the number of rows:
+//
+//     y[t, o] = sum_i W[o, i] * x16[t, i]        t < T <= 32
+//
+// This is the decode / verify / prefill-chunk product of the qwen35 GPU step (kernels/cuda_step.py).
+//
+// Weights. At load time each GGUF matrix is rearranged on the device (the `repack_*` kernels below)
+// into "units": 16 rows (one MMA tile) x 256 columns (one K-quant superblock), unit (tile, sb) at
+// byte (tile * n_sb + sb) * UNIT. The bytes are exactly the GGUF block bytes of those 16 rows x 256
+// columns, reordered so that each lane of a warp reads its MMA fragments with 16-byte loads that
+// coalesce across the warp; nothing is dequantised or widened (a Q4_K unit is 16 x 144 bytes). Rows
+// past n_out and columns past n_in (rows that are not a whole number of superblocks) are zero.
+//
+// Element map (all types). Lane L = 4g + c, k-step s (0..15) of a superblock, A register r (0..3),
+// half hf: row 16*tile + g + 8*(r & 1), column 256*sb + 64c + 8*(s >> 1) + 4*(s & 1) + 2*(r >> 1)
+// + hf. This is a permutation of k: the MMA sums over all 16 k of a step, so any bijection that A
+// and B share gives the same product. Its point: lane c only ever touches columns 64c..64c+63 of a
+// superblock, i.e. two 32-wide (four 16-wide) scale groups per row, so it decodes 2 (4) scales per
+// row instead of 8 (16).
+//
+// Activations ("act16"): f16 rows of n_sb*256 halves in the same permuted order (natural column
+// n = [c:2][p:3][e:3] within a 256-block stored at [p:3][c:2][e:3]: kernels/tc_common.cuh act_pos),
+// so the four lanes of a token read 64 contiguous bytes per pair of k-steps. For Q4_K / Q5_K the
+// block sums of each 32-column block (as f16 hi + lo) ride along (tc_common.cuh xs_pos). Both are
+// written by the kernels that produce a matmul's input (fused.cu `prep_*`, the SwiGLU epilogue).
+//
+// How each type turns bytes into A fragments (exact unless said):
+//   Q4_K / Q5_K  A = sc_j * q (integers <= 63*31 < 2048, exact in f16) built with one LOP3 + one
+//                HFMA2 per register (the 0x6400 exponent trick); per superblock acc += d * (A.x)
+//                - dmin * (m . xs) in f32, the min term as one more MMA of the 6-bit mins against
+//                the block sums (hi and lo halves in the two k halves, so the sums stay ~f32).
+//   Q6_K         A = f16(sc * (q - 32)) (exact up to |2048|, else rounded to an even integer:
+//                <= 2^-12 relative), acc += d * (A.x).
+//   Q8_0         A = f16(d * q) (rounded once, <= 2^-12 relative), acc += A.x.
+//   F16          A = w, acc += A.x.
+// Activations are rounded to f16 once (2^-11 relative); everything else is f32.
+//
+// Work split. A thread block of 4 warps owns 4*RT tiles (RT = 1 or 2 per warp: 2 halves the
+// activation traffic of wide batches); grid.y splits the superblocks into `splits` contiguous
+// ranges, whose partial sums the last block to finish adds in split order (deterministic: a
+// counter per row block, reset by that last block so a CUDA graph can replay the launch).
+// Batch invariance: a row's result depends only on its own activation row (MMA columns are
+// independent, the split is chosen per matrix, never per T), so decoding 1 token or verifying 23
+// gives bit-identical rows; speculative decoding relies on it.
+//
+// Epilogues: STORE y[t, o] = acc; ADD y[t, o] += acc (residual, in place); SWIGLU (two segments:
+// gate and up, paired tile for tile) writes silu(gate) * up as the next product's act16 row and
+// block sums directly.
+#include "tc_common.cuh"
+
+#define MM_THREADS 128
+
+struct MmSeg {                 // one matrix of a launch; all share the type, n_in and the epilogue
+    unsigned long long w;      // tiled weight
+    unsigned long long y;      // f32 output [T][ldy] (STORE / ADD)
+    int n_rows;
+    int n_tiles;
+    int ldy;
+    int pad;
+};
+
+#define QT_F16 1
+#define QT_Q8_0 8
+#define QT_Q4_K 12
+#define QT_Q5_K 13
+#define QT_Q6_K 14
+
+#define MODE_STORE 0
+#define MODE_ADD 1
+#define MODE_SWIGLU 2
+
+template <int QT> struct UnitBytes;
+template <> struct UnitBytes<QT_F16> { static constexpr int v = 8192; };
+template <> struct UnitBytes<QT_Q8_0> { static constexpr int v = 4352; };
+template <> struct UnitBytes<QT_Q4_K> { static constexpr int v = 2304; };
+template <> struct UnitBytes<QT_Q5_K> { static constexpr int v = 2816; };
+template <> struct UnitBytes<QT_Q6_K> { static constexpr int v = 3360; };
+
+__device__ __forceinline__ u32 sel4(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+template <int I> __device__ __forceinline__ u32 comp(const uint4& v) {
+    return I == 0 ? v.x : (I == 1 ? v.y : (I == 2 ? v.z : v.w));
+}
+__device__ __forceinline__ u32 comp_rt(const uint4& v, int i) { return sel4(v, i); }
+
+// ---------------------------------------------------------------------------------------------
+// Per-type lane state for one unit. Interface:
+//   load(unit, lane)            loads what the whole superblock needs (K-quants: everything)
+//   pair(unit, lane, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants)
+//   frag<S>(a)                  the A fragment of k-step S
+//   HAS_MIN / row scale d[2] (rows g, g+8) / dmin[2], amin (A of the min MMA)
+struct UnitQ4K {
+    static constexpr bool HAS_MIN = true, SCALED = true;
+    uint4 q[4];
+    u32 c1[2], b1[2], c16[2], b16[2];
+    u32 amin[2];
+    float d[2], dmin[2];
+    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+        const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = ldg128(u + i * 512 + lane * 16);
+        const uint4 r0 = ldg128(u + 2048 + g * 16), r1 = ldg128(u + 2048 + (g + 8) * 16);
+        decode(r0, c, 0);
+        decode(r1, c, 1);
+    }
+    // Scale record of a row: word c = sc[2c] | sc[2c+1] << 6 | m[2c] << 12 | m[2c+1] << 18 |
+    // (byte c of d | dmin << 16) << 24.
+    __device__ __forceinline__ void decode(const uint4& r, int c, int row8) {
+        const u32 w = sel4(r, c);
+        const u32 t1 = __byte_perm(r.x, r.y, 0x0073), t2 = __byte_perm(r.z, r.w, 0x0073);
+        const u32 dd = __byte_perm(t1, t2, 0x5410);
+        d[row8] = h2f((u16)(dd & 0xffffu));
+        dmin[row8] = h2f((u16)(dd >> 16));
+        const u32 sa = w & 63u, sb = (w >> 6) & 63u, ma = (w >> 12) & 63u, mb = (w >> 18) & 63u;
+        if (row8 == 0) {       // row g: registers 0 and 2, nibbles at x1
+            c1[0] = h2_int_bcast(sa); b1[0] = h2mul(c1[0], H2_M1024);
+            c1[1] = h2_int_bcast(sb); b1[1] = h2mul(c1[1], H2_M1024);
+        } else {               // row g+8: registers 1 and 3, nibbles at x16
+            const u32 ha = h2_int_bcast(sa), hb = h2_int_bcast(sb);
+            c16[0] = h2mul(ha, H2_1_16); b16[0] = h2mul(ha, H2_M64);
+            c16[1] = h2mul(hb, H2_1_16); b16[1] = h2mul(hb, H2_M64);
+        }
+        amin[row8] = h2_int_pair(ma, mb);
+    }
+    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
+        const u32 w = comp<S & 3>(q[S >> 2]);
+        constexpr int j = S >> 3;                       // scale group 2c + j
+        const u32 w8 = w >> 8;
+        a[0] = h2fma((w & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
+        a[1] = h2fma((w & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
+        a[2] = h2fma((w8 & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
+        a[3] = h2fma((w8 & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
+    }
+};
+
+struct UnitQ5K {
+    static constexpr bool HAS_MIN = true, SCALED = true;
+    uint4 q[4];
+    uint4 qh;
+    u32 c1[2], b1[2], c16[2], b16[2];
+    u32 amin[2];
+    float d[2], dmin[2];
+    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+        const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = ldg128(u + i * 512 + lane * 16);
+        qh = ldg128(u + 2048 + lane * 16);
+        const uint4 r0 = ldg128(u + 2560 + g * 16), r1 = ldg128(u + 2560 + (g + 8) * 16);
+        decode(r0, c, 0);
+        decode(r1, c, 1);
+    }
+    __device__ __forceinline__ void decode(const uint4& r, int c, int row8) {
+        const u32 w = sel4(r, c);
+        const u32 t1 = __byte_perm(r.x, r.y, 0x0073), t2 = __byte_perm(r.z, r.w, 0x0073);
+        const u32 dd = __byte_perm(t1, t2, 0x5410);
+        d[row8] = h2f((u16)(dd & 0xffffu));
+        dmin[row8] = h2f((u16)(dd >> 16));
+        const u32 sa = w & 63u, sb = (w >> 6) & 63u, ma = (w >> 12) & 63u, mb = (w >> 18) & 63u;
+        if (row8 == 0) {
+            c1[0] = h2_int_bcast(sa); b1[0] = h2mul(c1[0], H2_M1024);
+            c1[1] = h2_int_bcast(sb); b1[1] = h2mul(c1[1], H2_M1024);
+        } else {
+            const u32 ha = h2_int_bcast(sa), hb = h2_int_bcast(sb);
+            c16[0] = h2mul(ha, H2_1_16); b16[0] = h2mul(ha, H2_M64);
+            c16[1] = h2mul(hb, H2_1_16); b16[1] = h2mul(hb, H2_M64);
+        }
+        amin[row8] = h2_int_pair(ma, mb);
+    }
+    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    // High bits: word S>>2 of qh; for k-step v = S & 3 the bit of (register r, half hf) sits at
+    // bit (4, 8, 0, 12)[r] + v + 16*hf.
+    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
+        const u32 w = comp<S & 3>(q[S >> 2]);
+        const u32 t = comp<(S >> 2)>(qh) >> (S & 3);
+        constexpr int j = S >> 3;
+        const u32 w8 = w >> 8;
+        a[0] = h2fma((w & 0x000F000Fu) | (t & 0x00100010u) | H2_1024, c1[j], b1[j]);
+        a[1] = h2fma((w & 0x00F000F0u) | (t & 0x01000100u) | H2_1024, c16[j], b16[j]);
+        a[2] = h2fma((w8 & 0x000F000Fu) | ((t << 4) & 0x00100010u) | H2_1024, c1[j], b1[j]);
+        a[3] = h2fma((w8 & 0x00F000F0u) | ((t >> 4) & 0x01000100u) | H2_1024, c16[j], b16[j]);
+    }
+};
+
+struct UnitQ6K {
+    static constexpr bool HAS_MIN = false, SCALED = true;
+    uint4 q[4];
+    uint4 qh[2];
+    u32 cs[4][2], bs[4][2];      // [16-wide group 4c + k][row g / g+8]
+    float d[2], dmin[2];
+    u32 amin[2];
+    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+        const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = ldg128(u + i * 512 + lane * 16);
+        qh[0] = ldg128(u + 2048 + lane * 16);
+        qh[1] = ldg128(u + 2560 + lane * 16);
+        const u32 s0 = ldg32(u + 3072 + g * 16 + 4 * c), s1 = ldg32(u + 3072 + (g + 8) * 16 + 4 * c);
+        d[0] = h2f(ldg16(u + 3328 + 2 * g));
+        d[1] = h2f(ldg16(u + 3328 + 2 * (g + 8)));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 h0 = h2_i8_bcast(s0 >> (8 * k)), h1 = h2_i8_bcast(s1 >> (8 * k));
+            cs[k][0] = h2mul(h0, H2_1_16); bs[k][0] = h2mul(h0, H2_M96);
+            cs[k][1] = h2mul(h1, H2_1_16); bs[k][1] = h2mul(h1, H2_M96);
+        }
+    }
+    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    // Every register at x16: value 1024 + 16*q6, q6 = low nibble | high 2 bits << 4; then
+    // (1024 + 16 q6) * sc/16 - 96 sc = (q6 - 32) * sc. High bits: word m = S >> 1 of qh covers
+    // k-steps 2m (fields at 8 + 2r + 16hf) and 2m+1 (fields at 2r + 16hf).
+    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
+        const u32 w = comp<S & 3>(q[S >> 2]);
+        const u32 hw = comp<(S >> 1) & 3>(qh[S >> 3]);
+        constexpr int k = S >> 2;                       // 16-wide group 4c + k
+        const u32 M = 0x03000300u;
+        u32 h0, h1, h2, h3;
+        if ((S & 1) == 0) {
+            h0 = hw & M; h1 = (hw >> 2) & M; h2 = (hw >> 4) & M; h3 = (hw >> 6) & M;
+        } else {
+            h0 = (hw << 8) & M; h1 = (hw << 6) & M; h2 = (hw << 4) & M; h3 = (hw << 2) & M;
+        }
+        a[0] = h2fma(((w << 4) & 0x00F000F0u) | h0 | H2_1024, cs[k][0], bs[k][0]);
+        a[1] = h2fma((w & 0x00F000F0u) | h1 | H2_1024, cs[k][1], bs[k][1]);
+        a[2] = h2fma(((w >> 4) & 0x00F000F0u) | h2 | H2_1024, cs[k][0], bs[k][0]);
+        a[3] = h2fma(((w >> 8) & 0x00F000F0u) | h3 | H2_1024, cs[k][1], bs[k][1]);
+    }
+};
+
+struct UnitQ8_0 {
+    static constexpr bool HAS_MIN = false, SCALED = false;
+    uint4 qp;                    // the current pair's quants
+    u32 dg[2][2];                // [block 2c + j][row g / g+8] as (d, d)
+    float d[2], dmin[2];
+    u32 amin[2];
+    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+        const int g = lane >> 2, c = lane & 3;
+        const u32 w0 = ldg32(u + 4096 + (g * 8 + 2 * c) * 2), w1 = ldg32(u + 4096 + ((g + 8) * 8 + 2 * c) * 2);
+        dg[0][0] = __byte_perm(w0, 0u, 0x1010); dg[1][0] = __byte_perm(w0, 0u, 0x3232);
+        dg[0][1] = __byte_perm(w1, 0u, 0x1010); dg[1][1] = __byte_perm(w1, 0u, 0x3232);
+    }
+    __device__ __forceinline__ void pair(const unsigned char* u, int lane, int p) { qp = ldg128(u + p * 512 + lane * 16); }
+    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
+        constexpr int j = S >> 3;
+        const u32 X = ((S & 1) ? qp.z : qp.x) ^ 0x80808080u, Y = ((S & 1) ? qp.w : qp.y) ^ 0x80808080u;
+        a[0] = h2mul(h2sub(__byte_perm(X, 0x64646464u, 0x4140), H2_1152), dg[j][0]);
+        a[1] = h2mul(h2sub(__byte_perm(X, 0x64646464u, 0x4342), H2_1152), dg[j][1]);
+        a[2] = h2mul(h2sub(__byte_perm(Y, 0x64646464u, 0x4140), H2_1152), dg[j][0]);
+        a[3] = h2mul(h2sub(__byte_perm(Y, 0x64646464u, 0x4342), H2_1152), dg[j][1]);
+    }
+};
+
+struct UnitF16 {
+    static constexpr bool HAS_MIN = false, SCALED = false;
+    uint4 qs[2];
+    float d[2], dmin[2];
+    u32 amin[2];
+    __device__ __forceinline__ void load(const unsigned char*, int) {}
+    __device__ __forceinline__ void pair(const unsigned char* u, int lane, int p) {
+        qs[0] = ldg128(u + (2 * p) * 512 + lane * 16);
+        qs[1] = ldg128(u + (2 * p + 1) * 512 + lane * 16);
+    }
+    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
+        const uint4& v = qs[S & 1];
+        a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+    }
+};
+
+template <int QT> struct UnitOf;
+template <> struct UnitOf<QT_Q4_K> { typedef UnitQ4K T; };
+template <> struct UnitOf<QT_Q5_K> { typedef UnitQ5K T; };
+template <> struct UnitOf<QT_Q6_K> { typedef UnitQ6K T; };
+template <> struct UnitOf<QT_Q8_0> { typedef UnitQ8_0 T; };
+template <> struct UnitOf<QT_F16> { typedef UnitF16 T; };
+
+__device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z)); }
+
+// One pair of k-steps (2p, 2p+1) for the warp's RT tiles.
+template <typename U, int NT, int RT, int P>
+__device__ __forceinline__ void mm_pair(U (&un)[RT], const bool (&ok)[RT], const unsigned char* const (&ub)[RT],
+                                        const u16* const (&xrow)[NT], int lane, float (&tm)[RT][NT][4]) {
+    const int c = lane & 3;
+    uint4 bq[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) bq[nt] = ldg128(xrow[nt] + P * 32 + c * 8);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        if (!ok[r]) continue;
+        un[r].pair(ub[r], lane, P);
+        u32 a[4];
+        un[r].template frag<2 * P>(a);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma16816(tm[r][nt], a, bq[nt].x, bq[nt].y);
+        un[r].template frag<2 * P + 1>(a);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma16816(tm[r][nt], a, bq[nt].z, bq[nt].w);
+    }
+}
+
+template <int QT, int NT, int RT, int MODE>
+__device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
+                                           const u16* __restrict__ xs, int n_sb, int T, int splits,
+                                           float* __restrict__ ws, int* __restrict__ counters,
+                                           u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
+    typedef typename UnitOf<QT>::T U;
+    constexpr int UNIT = UnitBytes<QT>::v;
+    constexpr int ROWS = 64 * RT;                // rows (tiles * 16) per thread block
+    constexpr int SROW = ROWS + 4;               // padded smem row (bank spread of fragment stores)
+    __shared__ float sres[32 * SROW];
+    __shared__ int s_last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const int split = blockIdx.y;
+
+    // Which segment, and which of its tiles each warp register-tile r works on.
+    int rb = blockIdx.x, seg = 0;
+    if (MODE != MODE_SWIGLU) {
+        for (int s = 0; s < n_segs; ++s) {
+            const int n_rb = (segs[s].n_tiles + 4 * RT - 1) / (4 * RT);
+            if (rb < n_rb) { seg = s; break; }
+            rb -= n_rb;
+        }
+    }
+    const unsigned char* ub[RT];
+    bool ok[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        const int q = warp * RT + r;             // tile slot in the block, smem rows q*16..
+        int s = seg, tile;
+        if (MODE == MODE_SWIGLU) {
+            s = q < 2 * RT ? 0 : 1;
+            tile = rb * 2 * RT + (q < 2 * RT ? q : q - 2 * RT);
+        } else {
+            tile = rb * 4 * RT + q;
+        }
+        ok[r] = tile < segs[s].n_tiles;
+        ub[r] = (const unsigned char*)segs[s].w + (size_t)(ok[r] ? tile : 0) * n_sb * UNIT;
+    }
+    const int sb0 = (int)((long long)split * n_sb / splits), sb1 = (int)((long long)(split + 1) * n_sb / splits);
+    const int ld_x = n_sb * 256, ld_xs = n_sb * 16;
+
+    grid_dependency_wait();                      // activations come from the previous kernel
+
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.0f;
+
+    for (int sb = sb0; sb < sb1; ++sb) {
+        U un[RT];
+        const unsigned char* us[RT];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            us[r] = ub[r] + (size_t)sb * UNIT;
+            if (ok[r]) un[r].load(us[r], lane);
+        }
+        const u16* xrow[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) xrow[nt] = x16 + (size_t)(nt * 8 + g) * ld_x + (size_t)sb * 256;
+        float tm[RT][NT][4];
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) tm[r][nt][i] = 0.0f;
+        mm_pair<U, NT, RT, 0>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 1>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 2>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 3>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 4>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 5>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 6>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 7>(un, ok, us, xrow, lane, tm);
+
+        if (U::HAS_MIN) {
+            uint2 bm[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                bm[nt] = *(const uint2*)(xs + (size_t)(nt * 8 + g) * ld_xs + (size_t)sb * 16 + c * 4);
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                if (!ok[r]) continue;
+                const u32 am[4] = {un[r].amin[0], un[r].amin[1], un[r].amin[0], un[r].amin[1]};
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma16816(mn, am, bm[nt].x, bm[nt].y);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float a1 = fmaf(un[r].d[i >> 1], tm[r][nt][i], acc[r][nt][i]);
+                        acc[r][nt][i] = fmaf(-un[r].dmin[i >> 1], mn[i], a1);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        acc[r][nt][i] = U::SCALED ? fmaf(un[r].d[i >> 1], tm[r][nt][i], acc[r][nt][i])
+                                                  : acc[r][nt][i] + tm[r][nt][i];
+        }
+    }
+    trigger_dependents();
+
+    // Fragments -> smem [tok][row].
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = (warp * RT + r) * 16 + g + 8 * (i >> 1);
+                const int tok = nt * 8 + 2 * c + (i & 1);
+                sres[tok * SROW + row] = acc[r][nt][i];
+            }
+    __syncthreads();
+
+    const int n_el = T * ROWS;
+    if (splits > 1) {
+        float* part = ws + ((size_t)blockIdx.x * splits + split) * (size_t)n_el;
+        for (int i = tid; i < n_el; i += MM_THREADS) part[i] = sres[(i / ROWS) * SROW + (i % ROWS)];
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        const float* base = ws + (size_t)blockIdx.x * splits * (size_t)n_el;
+        for (int i = tid; i < n_el; i += MM_THREADS) {
+            float v = 0.0f;
+            for (int s = 0; s < splits; ++s) v += ldcg_f32(base + (size_t)s * n_el + i);
+            sres[(i / ROWS) * SROW + (i % ROWS)] = v;
+        }
+        if (tid == 0) counters[blockIdx.x] = 0;
+        __syncthreads();
+    }
+
+    if (MODE != MODE_SWIGLU) {
+        const MmSeg& sg = segs[seg];
+        float* y = (float*)sg.y;
+        for (int i = tid; i < n_el; i += MM_THREADS) {
+            const int tok = i / ROWS, rr = i % ROWS;
+            const int row = rb * ROWS + rr;
+            if (row < sg.n_rows) {
+                const float v = sres[tok * SROW + rr];
+                if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += v;
+                else y[(size_t)tok * sg.ldy + row] = v;
+            }
+        }
+    } else {
+        // features rb*F .. rb*F + F-1; gate rows at smem rows 0..F-1, up rows at F..2F-1
+        constexpr int F = 32 * RT, GROUPS = F / 8;
+        const int n_ff = segs[0].n_rows;
+        const int items = T * GROUPS;
+        for (int base = 0; base < items; base += MM_THREADS) {
+            const int item = base + tid;
+            const bool valid = item < items;
+            const int tok = valid ? item / GROUPS : 0, grp = item % GROUPS;
+            const int f0 = rb * F + grp * 8;
+            float s = 0.0f;
+            if (valid && f0 < n_ff) {
+                u32 packed[4];
+#pragma unroll
+                for (int e = 0; e < 8; e += 2) {
+                    const float g0 = sres[tok * SROW + grp * 8 + e], g1 = sres[tok * SROW + grp * 8 + e + 1];
+                    const float u0 = sres[tok * SROW + F + grp * 8 + e], u1 = sres[tok * SROW + F + grp * 8 + e + 1];
+                    const u16 h0 = f2h(silu_f(g0) * u0), h1 = f2h(silu_f(g1) * u1);
+                    s += h2f(h0);
+                    s += h2f(h1);
+                    packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
+                }
+                *(uint4*)(out16 + (size_t)tok * ld_out16 + act_pos(f0)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            }
+            s += shfl_xor(s, 1);
+            s += shfl_xor(s, 2);
+            if (valid && (grp & 3) == 0 && f0 < n_ff && outxs != nullptr) {
+                const u16 hi = f2h(s);
+                const u16 lo = f2h(s - h2f(hi));
+                u16* xr = outxs + (size_t)tok * (ld_out16 / 16);
+                xr[xs_pos(f0 >> 5)] = hi;
+                xr[xs_pos(f0 >> 5) + 2] = lo;
+            }
+        }
+    }
+}
+
+#if defined(MM_QT)
+// One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_RT=<1|2> -DMM_MODE=<0..2>
+extern "C" __global__ void __launch_bounds__(MM_THREADS, (MM_RT == 1 ? 4 : 3))
+mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
+      int n_sb, int T, int splits, float* __restrict__ ws, int* __restrict__ counters,
+      u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
+    mm_tc_impl<MM_QT, MM_NT, MM_RT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, splits, ws, counters, out16, outxs,
+                                               ld_out16);
+}
+#else
+// ---------------------------------------------------------------------------------------------
+// Repacking: raw GGUF rows (n_rows x row_bytes) -> units. One thread per output 32-bit word;
+// words of rows >= n_rows or columns >= n_in are zero.
+
+__device__ __forceinline__ u32 raw_byte(const unsigned char* raw, int row_bytes, int n_rows, int row, int off) {
+    return row < n_rows ? (u32)raw[(size_t)row * row_bytes + off] : 0u;
+}
+
+// The lane/k-step/register/half -> (row in tile, column in superblock) element map.
+__device__ __forceinline__ void elem_of(int lane, int s, int r, int hf, int& row16, int& col) {
+    const int g = lane >> 2, c = lane & 3;
+    row16 = g + 8 * (r & 1);
+    col = 64 * c + 8 * (s >> 1) + 4 * (s & 1) + 2 * (r >> 1) + hf;
+}
+
+// ggml get_scale_min_k4
+__device__ __forceinline__ void k4_scale_min(const unsigned char* sc, int j, u32& s, u32& m) {
+    if (j < 4) {
+        s = sc[j] & 63u;
+        m = sc[j + 4] & 63u;
+    } else {
+        s = (sc[j + 4] & 0x0fu) | ((sc[j - 4] >> 6) << 4);
+        m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+// Q4_K / Q5_K nibble of element (row, col) of superblock sb: qs at byte offset qs_off of the block.
+__device__ __forceinline__ u32 k_nibble(const unsigned char* raw, int row_bytes, int n_rows, int n_sb_raw,
+                                        int block_bytes, int qs_off, int row, int sb, int col) {
+    if (row >= n_rows || sb >= n_sb_raw) return 0u;
+    const int j = col >> 5, i = col & 31;
+    const u32 b = raw[(size_t)row * row_bytes + (size_t)sb * block_bytes + qs_off + 32 * (j >> 1) + i];
+    return (j & 1) ? (b >> 4) : (b & 15u);
+}
+
+// Scale record of a Q4_K / Q5_K row (see UnitQ4K::decode).
+__device__ __forceinline__ u32 k_scale_word(const unsigned char* raw, int row_bytes, int n_rows, int n_sb_raw,
+                                            int block_bytes, int row, int sb, int c) {
+    if (row >= n_rows || sb >= n_sb_raw) return 0u;
+    const unsigned char* blk = raw + (size_t)row * row_bytes + (size_t)sb * block_bytes;
+    u32 sa, ma, sb2, mb;
+    k4_scale_min(blk + 4, 2 * c, sa, ma);
+    k4_scale_min(blk + 4, 2 * c + 1, sb2, mb);
+    return sa | (sb2 << 6) | (ma << 12) | (mb << 18) | ((u32)blk[c] << 24);
+}
+
+// n_sb: superblocks of the tiled matrix (n_in rounded up to 256); n_sb_raw = n_in / 256 for K-quants.
+extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
+                                       int row_bytes, int n_sb, long long n_words) {
+    const int UW = 2304 / 4;
+    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
+         wi += (long long)gridDim.x * blockDim.x) {
+        const long long unit = wi / UW;
+        const int o = (int)(wi % UW) * 4;
+        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+        u32 v = 0;
+        if (o < 2048) {
+            const int i = o / 512, lane = (o % 512) / 16, w = (o % 16) / 4, s = 4 * i + w;
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    int row16, col;
+                    elem_of(lane, s, r, hf, row16, col);
+                    v |= k_nibble(raw, row_bytes, n_rows, n_sb, 144, 16, tile * 16 + row16, sb, col) << (4 * r + 16 * hf);
+                }
+        } else {
+            const int rr = (o - 2048) / 16, c = ((o - 2048) % 16) / 4;
+            v = k_scale_word(raw, row_bytes, n_rows, n_sb, 144, tile * 16 + rr, sb, c);
+        }
+        out[wi] = v;
+    }
+}
+
+extern "C" __global__ void repack_q5_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
+                                       int row_bytes, int n_sb, long long n_words) {
+    const int UW = 2816 / 4;
+    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
+         wi += (long long)gridDim.x * blockDim.x) {
+        const long long unit = wi / UW;
+        const int o = (int)(wi % UW) * 4;
+        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+        u32 v = 0;
+        if (o < 2048) {
+            const int i = o / 512, lane = (o % 512) / 16, w = (o % 16) / 4, s = 4 * i + w;
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    int row16, col;
+                    elem_of(lane, s, r, hf, row16, col);
+                    v |= k_nibble(raw, row_bytes, n_rows, n_sb, 176, 48, tile * 16 + row16, sb, col) << (4 * r + 16 * hf);
+                }
+        } else if (o < 2560) {
+            const int lane = (o - 2048) / 16, u = ((o - 2048) % 16) / 4;
+            const int base_bit[4] = {4, 8, 0, 12};
+#pragma unroll
+            for (int vv = 0; vv < 4; ++vv) {
+                const int s = 4 * u + vv;
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        int row16, col;
+                        elem_of(lane, s, r, hf, row16, col);
+                        const int row = tile * 16 + row16;
+                        u32 hb = 0;
+                        if (row < n_rows) {
+                            const u32 qhb = raw[(size_t)row * row_bytes + (size_t)sb * 176 + 16 + (col & 31)];
+                            hb = (qhb >> (col >> 5)) & 1u;
+                        }
+                        v |= hb << (base_bit[r] + vv + 16 * hf);
+                    }
+            }
+        } else {
+            const int rr = (o - 2560) / 16, c = ((o - 2560) % 16) / 4;
+            v = k_scale_word(raw, row_bytes, n_rows, n_sb, 176, tile * 16 + rr, sb, c);
+        }
+        out[wi] = v;
+    }
+}
+
+// Q6_K element (row, col) of superblock sb as its 6-bit code q (w = d * sc[col/16] * (q - 32)).
+__device__ __forceinline__ u32 q6_code(const unsigned char* raw, int row_bytes, int n_rows, int row, int sb, int col) {
+    if (row >= n_rows) return 0u;
+    const unsigned char* blk = raw + (size_t)row * row_bytes + (size_t)sb * 210;
+    const int half = col >> 7, rr = col & 127, quarter = rr >> 5, l = rr & 31;
+    const u32 qlb = blk[64 * half + l + 32 * (quarter & 1)];
+    const u32 lo = quarter >= 2 ? (qlb >> 4) : (qlb & 15u);
+    const u32 hi = (blk[128 + 32 * half + l] >> (2 * quarter)) & 3u;
+    return lo | (hi << 4);
+}
+
+extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
+                                       int row_bytes, int n_sb, long long n_words) {
+    const int UW = 3360 / 4;
+    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
+         wi += (long long)gridDim.x * blockDim.x) {
+        const long long unit = wi / UW;
+        const int o = (int)(wi % UW) * 4;
+        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+        u32 v = 0;
+        if (o < 2048) {
+            const int i = o / 512, lane = (o % 512) / 16, w = (o % 16) / 4, s = 4 * i + w;
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    int row16, col;
+                    elem_of(lane, s, r, hf, row16, col);
+                    v |= (q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col) & 15u) << (4 * r + 16 * hf);
+                }
+        } else if (o < 3072) {
+            const int o2 = o - 2048;
+            const int i = o2 / 512, lane = (o2 % 512) / 16, wq = (o2 % 16) / 4, m = 4 * i + wq;
+#pragma unroll
+            for (int odd = 0; odd < 2; ++odd) {
+                const int s = 2 * m + odd;
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        int row16, col;
+                        elem_of(lane, s, r, hf, row16, col);
+                        const u32 hb = q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col) >> 4;
+                        v |= hb << ((odd ? 0 : 8) + 2 * r + 16 * hf);
+                    }
+            }
+        } else if (o < 3328) {
+            const int rr = (o - 3072) / 16, b4 = (o - 3072) % 16;
+            const int row = tile * 16 + rr;
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                v |= raw_byte(raw, row_bytes, n_rows, row, sb * 210 + 192 + b4 + k) << (8 * k);
+        } else {
+            const int rr = (o - 3328) / 2;      // two rows per word
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int row = tile * 16 + rr + k;
+                const u32 dv = raw_byte(raw, row_bytes, n_rows, row, sb * 210 + 208) |
+                               (raw_byte(raw, row_bytes, n_rows, row, sb * 210 + 209) << 8);
+                v |= dv << (16 * k);
+            }
+        }
+        out[wi] = v;
+    }
+}
+
+// Q8_0: a unit is 8 consecutive blocks of 32; n_blk = n_in / 32 real blocks per row.
+extern "C" __global__ void repack_q8_0(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
+                                       int row_bytes, int n_sb, int n_blk, long long n_words) {
+    const int UW = 4352 / 4;
+    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
+         wi += (long long)gridDim.x * blockDim.x) {
+        const long long unit = wi / UW;
+        const int o = (int)(wi % UW) * 4;
+        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+        u32 v = 0;
+        if (o < 4096) {
+            const int p = o / 512, lane = (o % 512) / 16, h = (o % 16) / 8, half_word = (o % 8) / 4;
+            const int s = 2 * p + h;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int bb = 4 * half_word + k;           // byte of the k-step's 8: register bb/2, half bb&1
+                int row16, col;
+                elem_of(lane, s, bb >> 1, bb & 1, row16, col);
+                const int row = tile * 16 + row16, blk = sb * 8 + (col >> 5);
+                const u32 q = blk < n_blk ? raw_byte(raw, row_bytes, n_rows, row, blk * 34 + 2 + (col & 31)) : 0u;
+                v |= q << (8 * k);
+            }
+        } else {
+            const int idx = (o - 4096) / 2;                 // (row * 8 + block) halves, two per word
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int rr = (idx + k) >> 3, j = (idx + k) & 7;
+                const int row = tile * 16 + rr, blk = sb * 8 + j;
+                u32 dv = 0;
+                if (blk < n_blk)
+                    dv = raw_byte(raw, row_bytes, n_rows, row, blk * 34) | (raw_byte(raw, row_bytes, n_rows, row, blk * 34 + 1) << 8);
+                v |= dv << (16 * k);
+            }
+        }
+        out[wi] = v;
+    }
+}
+
+// F16: n_in real columns.
+extern "C" __global__ void repack_f16(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
+                                      int row_bytes, int n_sb, int n_in, long long n_words) {
+    const int UW = 8192 / 4;
+    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
+         wi += (long long)gridDim.x * blockDim.x) {
+        const long long unit = wi / UW;
+        const int o = (int)(wi % UW) * 4;
+        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+        const int s = o / 512, lane = (o % 512) / 16, r = (o % 16) / 4;
+        u32 v = 0;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            int row16, col;
+            elem_of(lane, s, r, hf, row16, col);
+            const int row = tile * 16 + row16, n = sb * 256 + col;
+            u32 h = 0;
+            if (n < n_in)
+                h = raw_byte(raw, row_bytes, n_rows, row, 2 * n) | (raw_byte(raw, row_bytes, n_rows, row, 2 * n + 1) << 8);
+            v |= h << (16 * hf);
+        }
+        out[wi] = v;
+    }
+}
+#endif

@@ -1,0 +1,192 @@
+// Device helpers shared by the tensor-core matmul (mma_matmul.cu) and the fused step kernels
+// (fused.cu): f16x2 arithmetic on raw 32-bit registers, the m16n8k16 f16 -> f32 MMA, conversions,
+// 16-byte loads, and warp shuffles.
+//
+// Three builds of the same sources:
+//   CUDA (NVRTC, sm_80+)     inline PTX (mma.sync, f16x2 fma/sub/mul, cvt);
+//   HIP  (hiprtc)            _Float16 arithmetic and a shuffle-built MMA (`mma16816_portable`);
+//   CPU emulator (DFLASH_EMU, tests/emu/)   the emulator's runtime provides the primitives.
+// `-DMMA_PORTABLE` makes a CUDA build use the shuffle-built MMA too: the GPU tests compare the two,
+// which checks the fragment layout this file assumes against the hardware.
+//
+// m16n8k16 fragment layout (PTX ISA, "row.col", f16 A/B, f32 C/D), lane = 4*g + c:
+//   A (16x16, row-major) a[0] = (row g,   k 2c..2c+1)   a[1] = (row g+8, k 2c..2c+1)
+//                        a[2] = (row g,   k 2c+8..+9)   a[3] = (row g+8, k 2c+8..+9)
+//   B (16x8)             b[0] = (k 2c..2c+1, col g)     b[1] = (k 2c+8..+9, col g)
+//   C/D (16x8, f32)      d[0], d[1] = (row g, col 2c, 2c+1)   d[2], d[3] = (row g+8, col 2c, 2c+1)
+// The lower 16 bits of a register hold the lower k (A, B) element.
+#pragma once
+
+#if defined(DFLASH_EMU)
+#include "emu_runtime.h"
+#elif defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_runtime.h>
+#endif
+
+typedef unsigned int u32;
+
+// Dynamically sized shared memory (the launch's third configuration value).
+#if defined(DFLASH_EMU)
+#define DYN_SMEM(type, name) type* name = (type*)emu_dyn_smem()
+#else
+#define DYN_SMEM(type, name) extern __shared__ type name[]
+#endif
+typedef unsigned short u16;
+
+#if defined(DFLASH_EMU)
+// provided by emu_runtime.h: h2fma, h2sub, h2mul, h2f, f2h, mma16816_hw, shfl_xor, shfl, ldg128,
+// ldcg_f32, grid_dependency_wait, trigger_dependents
+#define TC_HAVE_PRIMITIVES 1
+#endif
+
+#if !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ u32 h2fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u32 h2sub(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 h2mul(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {      // round to nearest even
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ int shfl_xor(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ u32 shfl(u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ uint4 ldg128(const void* p) { return __ldg((const uint4*)p); }
+__device__ __forceinline__ u32 ldg32(const void* p) { return __ldg((const unsigned int*)p); }
+__device__ __forceinline__ u16 ldg16(const void* p) { return __ldg((const unsigned short*)p); }
+// A load that skips L1 (data another block of the same grid wrote: split-K partials).
+__device__ __forceinline__ float ldcg_f32(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ void mma16816_hw(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#define TC_HAVE_PRIMITIVES 1
+#endif
+
+#if defined(__HIP_PLATFORM_AMD__)
+// Untested on ROCm hardware (no AMD machine here); written against hip_fp16's _Float16.
+typedef _Float16 tc_h2v __attribute__((ext_vector_type(2)));
+__device__ __forceinline__ tc_h2v tc_v(u32 a) { return __builtin_bit_cast(tc_h2v, a); }
+__device__ __forceinline__ u32 tc_u(tc_h2v a) { return __builtin_bit_cast(u32, a); }
+__device__ __forceinline__ u32 h2fma(u32 a, u32 b, u32 c) {
+    tc_h2v x = tc_v(a), y = tc_v(b), z = tc_v(c), r;
+    r.x = __builtin_fmaf16(x.x, y.x, z.x);
+    r.y = __builtin_fmaf16(x.y, y.y, z.y);
+    return tc_u(r);
+}
+__device__ __forceinline__ u32 h2sub(u32 a, u32 b) { return tc_u(tc_v(a) - tc_v(b)); }
+__device__ __forceinline__ u32 h2mul(u32 a, u32 b) { return tc_u(tc_v(a) * tc_v(b)); }
+__device__ __forceinline__ float h2f(u16 h) { return (float)__builtin_bit_cast(_Float16, h); }
+__device__ __forceinline__ u16 f2h(float f) { return __builtin_bit_cast(u16, (_Float16)f); }
+__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor(v, m, 32); }
+__device__ __forceinline__ int shfl_xor(int v, int m) { return __shfl_xor(v, m, 32); }
+__device__ __forceinline__ u32 shfl(u32 v, int src) { return __shfl(v, src, 32); }
+__device__ __forceinline__ uint4 ldg128(const void* p) { return *(const uint4*)p; }
+__device__ __forceinline__ u32 ldg32(const void* p) { return *(const unsigned int*)p; }
+__device__ __forceinline__ u16 ldg16(const void* p) { return *(const unsigned short*)p; }
+__device__ __forceinline__ float ldcg_f32(const float* p) { return __builtin_nontemporal_load(p); }
+#define MMA_PORTABLE 1
+#define TC_HAVE_PRIMITIVES 1
+#endif
+
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
+// attribute may start while its predecessor drains; it must call grid_dependency_wait() before
+// reading anything the predecessor writes. Everything before the wait may only read data no kernel
+// of the step writes (weights). Without the attribute (or on HIP / older GPUs) the wait is a no-op.
+#if !defined(DFLASH_EMU)
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(__HIP_PLATFORM_AMD__)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void trigger_dependents() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(__HIP_PLATFORM_AMD__)
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The MMA, built from shuffles (HIP, or -DMMA_PORTABLE): each lane gathers the A row elements and
+// B column elements its four outputs need from the lanes that hold them. Exact f16 products,
+// f32 sums in k order. Every lane of the warp must call it (it shuffles).
+__device__ __forceinline__ float h_lo(u32 v) { return h2f((u16)(v & 0xffffu)); }
+__device__ __forceinline__ float h_hi(u32 v) { return h2f((u16)(v >> 16)); }
+
+__device__ __forceinline__ void mma16816_portable(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, c = lane & 3;
+    float acc[4] = {d[0], d[1], d[2], d[3]};
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {                    // k = 2cc, 2cc+1 (reg 0) and 2cc+8, 2cc+9 (reg 1/2)
+        const u32 ar0 = shfl(a[0], 4 * g + cc), ar1 = shfl(a[1], 4 * g + cc);
+        const u32 ar2 = shfl(a[2], 4 * g + cc), ar3 = shfl(a[3], 4 * g + cc);
+        const u32 bl0 = shfl(b0, 4 * (2 * c) + cc), bl1 = shfl(b1, 4 * (2 * c) + cc);
+        const u32 bh0 = shfl(b0, 4 * (2 * c + 1) + cc), bh1 = shfl(b1, 4 * (2 * c + 1) + cc);
+        // col 2c uses lane (2c, cc)'s b; col 2c+1 uses lane (2c+1, cc)'s b
+        acc[0] += h_lo(ar0) * h_lo(bl0) + h_hi(ar0) * h_hi(bl0) + h_lo(ar2) * h_lo(bl1) + h_hi(ar2) * h_hi(bl1);
+        acc[1] += h_lo(ar0) * h_lo(bh0) + h_hi(ar0) * h_hi(bh0) + h_lo(ar2) * h_lo(bh1) + h_hi(ar2) * h_hi(bh1);
+        acc[2] += h_lo(ar1) * h_lo(bl0) + h_hi(ar1) * h_hi(bl0) + h_lo(ar3) * h_lo(bl1) + h_hi(ar3) * h_hi(bl1);
+        acc[3] += h_lo(ar1) * h_lo(bh0) + h_hi(ar1) * h_hi(bh0) + h_lo(ar3) * h_lo(bh1) + h_hi(ar3) * h_hi(bh1);
+    }
+    d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+}
+
+// d += A * B
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if defined(MMA_PORTABLE)
+    mma16816_portable(d, a, b0, b1);
+#else
+    mma16816_hw(d, a, b0, b1);
+#endif
+}
+
+// f16x2 constants (bit patterns)
+#define H2_1024 0x64006400u        // (1024, 1024)
+#define H2_1152 0x64806480u        // (1152, 1152) = 1024 + 128
+#define H2_M1024 0xE400E400u       // (-1024, -1024)
+#define H2_M64 0xD400D400u         // (-64, -64)
+#define H2_M96 0xD600D600u         // (-96, -96)
+#define H2_1_16 0x2C002C00u        // (1/16, 1/16)
+
+// (n, n) as f16x2 for an integer 0 <= n < 1024: its bits under the exponent of 1024, minus 1024.
+__device__ __forceinline__ u32 h2_int_bcast(u32 n) { return h2sub(n | (n << 16) | H2_1024, H2_1024); }
+// (lo, hi) as f16x2 for integers 0 <= lo, hi < 1024.
+__device__ __forceinline__ u32 h2_int_pair(u32 lo, u32 hi) { return h2sub(lo | (hi << 16) | H2_1024, H2_1024); }
+// (s, s) for a signed byte s (the low byte of b).
+__device__ __forceinline__ u32 h2_i8_bcast(u32 b) {
+    const u32 u = (b ^ 0x80u) & 0xffu;
+    return h2sub(u | (u << 16) | H2_1024, H2_1152);
+}
+
+// Natural column n of an activation row <-> its position in the tensor-core layout (see
+// mma_matmul.cu, "activations"): within each 256-column block, n = [c:2][p:3][e:3] is stored at
+// [p:3][c:2][e:3].
+__device__ __forceinline__ int act_pos(int n) {
+    const int w = n & 255;
+    return (n & ~255) | (((w >> 3) & 7) << 5) | ((w >> 6) << 3) | (w & 7);
+}
+// Block sums: per 256-column block, 16 halves [c:2][hi(2c), hi(2c+1), lo(2c), lo(2c+1)] for its
+// eight 32-column blocks (hi + lo = the f32 sum, two f16 terms). Returns the index of hi(j); lo(j)
+// is 2 further.
+__device__ __forceinline__ int xs_pos(int j) { return (j >> 3) * 16 + ((j & 7) >> 1) * 4 + (j & 1); }

@@ -1,0 +1,195 @@
+"""Run dflashd's CUDA kernel sources on the CPU (see emu_runtime.h): build them with g++ and
+-DDFLASH_EMU into a shared library and launch them through ctypes with the same (grid, block, args,
+shared_mem) call CuPy's RawKernel takes, on numpy arrays standing in for device memory.
+
+`EmuDevice` is the small backend `kernels.fused_gpu.FusedGpu` needs (xp, _kernel, ptr,
+synchronize), so the GPU step's own Python code and kernels run unchanged in the CPU suite.
+
+Builds are cached under the system temp directory, keyed by the sources and flags; the first build
+of mma_matmul.cu's instantiations takes a minute or two on 2 cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "kernels"
+EMU_DIR = Path(__file__).resolve().parent
+CXX = os.environ.get("CXX", "g++")
+
+__all__ = ["EmuDevice", "emu_unavailable_reason", "MM_CONFIGS"]
+
+# The mma_matmul.cu instantiations the emulated library holds: (qtype, NT, RT, mode); RT follows NT
+# as kernels.fused_gpu.mm_rt chooses it.
+MM_CONFIGS = tuple((qt, nt, 1 if nt <= 2 else 2, mode) for qt in (1, 8, 12, 13, 14) for nt in (1, 2, 3, 4)
+                   for mode in (0, 1, 2))
+
+
+def emu_unavailable_reason() -> str | None:
+    if shutil.which(CXX) is None:
+        return f"no C++ compiler ({CXX})"
+    return None
+
+
+def _kernel_names(preprocessed: str) -> list[str]:
+    """Names of the `extern "C" __global__` kernels a build defines (emu_runtime.h turns __global__
+    into __attribute__((used)), which survives preprocessing and so sees #if and macros)."""
+    return re.findall(r'extern\s+"C"\s+__attribute__\s*\(\(used\)\)\s+void\s+(\w+)\s*\(', preprocessed)
+
+
+class _Library:
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.emu_config.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_ulonglong]
+        self._lock = threading.Lock()
+
+    def kernel(self, symbol: str) -> "_EmuKernel":
+        fn = getattr(self.lib, f"emu_ptr_{symbol}")
+        fn.restype = ctypes.c_void_p
+        return _EmuKernel(self, symbol, fn())
+
+
+def _ctype_of(a: Any):
+    if a is None:
+        return ctypes.c_void_p, None
+    if isinstance(a, np.ndarray):
+        return ctypes.c_void_p, a.ctypes.data
+    if isinstance(a, (np.int32, np.intc)):
+        return ctypes.c_int, int(a)
+    if isinstance(a, np.uint32):
+        return ctypes.c_uint, int(a)
+    if isinstance(a, np.int64):
+        return ctypes.c_longlong, int(a)
+    if isinstance(a, np.uint64):
+        return ctypes.c_ulonglong, int(a)
+    if isinstance(a, np.float32):
+        return ctypes.c_float, float(a)
+    if isinstance(a, np.float64):
+        return ctypes.c_double, float(a)
+    if isinstance(a, _DevPtr):
+        return ctypes.c_void_p, a.value
+    raise TypeError(f"emulator: cannot pass {type(a).__name__} to a kernel (use numpy arrays and numpy scalars)")
+
+
+class _DevPtr:
+    """A raw address (what a CuPy kernel receives for an array offset)."""
+
+    def __init__(self, value: int):
+        self.value = int(value)
+
+
+class _EmuKernel:
+    def __init__(self, lib: _Library, symbol: str, address: int):
+        self.lib, self.symbol, self.address = lib, symbol, address
+        self._fn_cache: dict[tuple, Any] = {}
+
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0) -> None:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        conv = [_ctype_of(a) for a in args]
+        types = tuple(t for t, _ in conv)
+        fn = self._fn_cache.get(types)
+        if fn is None:
+            fn = ctypes.CFUNCTYPE(None, *types)(self.address)
+            self._fn_cache[types] = fn
+        with self.lib._lock:
+            self.lib.lib.emu_config(*(int(g) for g in grid), *(int(b) for b in block), int(shared_mem))
+            fn(*[v for _, v in conv])
+
+
+def _inline_includes(code: str) -> str:
+    return code.replace('#include "tc_common.cuh"', (KERNELS / "tc_common.cuh").read_text())
+
+
+def _flags(extra: Iterable[str] = ()) -> list[str]:
+    return ["-O1", "-std=c++20", "-pthread", "-fPIC", "-DDFLASH_EMU", "-w", f"-I{EMU_DIR}", *extra]
+
+
+def _preprocess(code: str) -> str:
+    proc = subprocess.run([CXX, *_flags(), "-x", "c++", "-E", "-"], input=code, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"emulator: preprocessing failed:\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _build(name: str, body: str) -> Path:
+    flags = _flags(["-shared"])
+    runtime = (EMU_DIR / "emu_runtime.h").read_text() + (EMU_DIR / "emu.cpp").read_text()
+    key = hashlib.sha1((body + runtime + " ".join(flags) + CXX).encode()).hexdigest()[:16]
+    out_dir = Path(tempfile.gettempdir()) / "dflashd-emu"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    so = out_dir / f"{name}-{key}.so"
+    if so.exists():
+        return so
+    src = out_dir / f"{name}-{key}.cpp"
+    src.write_text(body)
+    tmp = so.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run([CXX, *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"emulator build of {name} failed:\n{proc.stderr[-4000:]}")
+    os.replace(tmp, so)
+    return so
+
+
+class EmuDevice:
+    """The emulated device: numpy memory, kernels from the emulated build of kernels/*.cu."""
+
+    name = "emu"
+    device = "emu:0"
+    supports_graphs = False
+    multiprocessors = 4
+
+    def __init__(self):
+        self.xp = np
+        self._libs: dict[str, _Library] = {}
+        self._lock = threading.Lock()
+
+    # -- the interface kernels.fused_gpu.FusedGpu uses --------------------------------------------
+    def _kernel(self, source: str, name: str, defines: tuple[str, ...] = ()) -> _EmuKernel:
+        if source == "mma_matmul.cu" and defines:
+            d = dict(x.split("=") for x in defines)
+            cfg = (int(d["MM_QT"]), int(d["MM_NT"]), int(d["MM_RT"]), int(d["MM_MODE"]))
+            if cfg not in MM_CONFIGS:
+                raise RuntimeError(f"emulator: mma_matmul config {cfg} is not built")
+            return self._library("mma_matmul.cu").kernel("mm_tc__{}_{}_{}_{}".format(*cfg))
+        if defines:
+            raise RuntimeError(f"emulator: {source} with defines {defines} is not built")
+        return self._library(source).kernel(name)
+
+    def ptr(self, a: Any) -> int:
+        return int(a.ctypes.data)
+
+    def synchronize(self) -> None:
+        pass
+
+    # -- builds ---------------------------------------------------------------------------------
+    def _library(self, source: str) -> _Library:
+        with self._lock:
+            lib = self._libs.get(source)
+            if lib is None:
+                code = _inline_includes((KERNELS / source).read_text())
+                body = ['#include "emu.cpp"', code]
+                if source == "mma_matmul.cu":
+                    for qt, nt, rt, mode in MM_CONFIGS:
+                        sym = f"mm_tc__{qt}_{nt}_{rt}_{mode}"
+                        body.append(
+                            f'extern "C" __global__ void {sym}(const MmSeg* segs, int n_segs, const u16* x16, '
+                            f'const u16* xs, int n_sb, int T, int splits, float* ws, int* counters, u16* out16, '
+                            f'u16* outxs, int ld_out16) {{ mm_tc_impl<{qt}, {nt}, {rt}, {mode}>(segs, n_segs, x16, '
+                            f'xs, n_sb, T, splits, ws, counters, out16, outxs, ld_out16); }}')
+                names = _kernel_names(_preprocess("\n".join(body)))
+                body += [f"EMU_EXPORT({n})" for n in names]
+                path = _build(source.replace(".", "_"), "\n".join(body))
+                lib = self._libs[source] = _Library(path)
+            return lib
