@@ -414,15 +414,132 @@ class BenchResult:
                f"{d['bound_ms']:.3f} ms; decode at {100 * d['bound_fraction']:.1f}% of the bound",
                (f"host         {d['host_overhead_ms']:.2f} ms/step of host overhead (decode step "
                 f"{d['decode_ms']:.2f} ms - {d['device_busy_ms']:.2f} ms of device time in the backend's operations)"
-                if d["ops"] else "host         not measured (--no-profile)")]
+                if d["ops"] and "graph_device_ms" not in d else
+                f"host         {d['host_overhead_ms']:.3f} ms/step of host overhead (decode step "
+                f"{d['decode_ms']:.3f} ms - {d['graph_device_ms']:.3f} ms device time of its CUDA graph)"
+                if "graph_device_ms" in d else "host         not measured (--no-profile)")]
+        if "commit_ms" in d:
+            out.insert(5, "rollback     " + ", ".join(f"W={w}: {ms:.2f} ms" for w, ms in d["commit_ms"].items())
+                       + "  (commit of a verified block: replay of the kept prefix)")
+            out.insert(6, f"verify/decode W=23: {d['verify_23_over_decode']:.2f}x")
+        if d.get("per_op_sum_ms") == d.get("per_op_sum_ms") and "graph_device_ms" in d and d["ops"]:
+            out.append(f"graph        {d['graph_device_ms']:.3f} ms on the device; its launches one by one "
+                       f"{d['per_op_sum_ms']:.3f} ms (the difference: launch gaps inside the graph)")
         if d.get("ops"):
             out.append("per-op (one decode step; each op synchronised, queued behind a busy-wait and timed alone "
-                       "with device events):")
+                       "with device events):" if "graph_device_ms" not in d else
+                       "per-launch (one decode step's launches run back to back behind a busy-wait, each between "
+                       "two events; grouped by kind over the layers):")
             out.append(f"  {'op':40s} {'n':>4s} {'device ms':>10s} {'host ms':>9s} {'GB/s':>8s}")
             for row in d["ops"]:
                 gbs = f"{row['GBps']:.0f}" if row.get("GBps") else ""
                 out.append(f"  {row['op']:40s} {row['n']:4d} {row['device_ms']:10.3f} {row['host_ms']:9.3f} {gbs:>8s}")
         return out
+
+
+def _op_kind(label: str) -> str:
+    """A launch label of the GPU step without its layer: 'mm ffn_down Q6_K', 'gdn_conv', ..."""
+    return label.split(".", 2)[2] if label.startswith("blk.") else label
+
+
+def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, copy_bps: float, profile: bool,
+                    log: Callable[[str], None]) -> dict:
+    """The GPU step (daemons/qwen35_gpu.py): every step one CUDA graph launch. Decode and verify are
+    timed as the serving loop runs them (greedy: only token ids come back); the graph's own device
+    time is timed with events behind a busy-wait, and each of its launches alone the same way."""
+    b, step, cp = model.backend, model.gpu_step, model.backend.xp
+    n_vocab = model.n_vocab
+    max_ctx = prefill + tokens + max(widths) + 16
+    prompt = rng.integers(0, n_vocab, size=prefill).tolist()
+    timer = _Timer(b)
+
+    # warm-up: captures every graph the timed runs use
+    st = model.new_state(max_ctx)
+    model.prefill(prompt, st, logits="last")
+    tok = int(model.forward([1], st.copy(), logits="argmax_last")[0])
+    for wdt in widths:
+        s2 = st.copy()
+        _, _, rec = model.verify(rng.integers(0, n_vocab, size=wdt).tolist(), s2, logits="argmax")
+        model.rollback(s2, rec, wdt)
+    _sync(b)
+
+    prefill_s = math.inf
+    for _ in range(2):
+        st = model.new_state(max_ctx)
+        _sync(b)
+        t0 = time.perf_counter()
+        out = model.prefill(prompt, st, logits="last")
+        _sync(b)
+        prefill_s = min(prefill_s, time.perf_counter() - t0)
+    log(f"prefill {prefill} tokens: {prefill_s * 1e3:.1f} ms")
+    context = st.copy()
+    tok = int(np.argmax(out[-1]))
+
+    times = []
+    for _ in range(tokens + 3):
+        t0 = time.perf_counter()
+        tok = int(model.forward([tok], st, logits="argmax_last")[0])
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[3:])
+    log(f"decode {1.0 / step_s:.2f} tok/s")
+
+    verify_ms, commit_ms = {}, {}
+    for wdt in widths:
+        ids = rng.integers(0, n_vocab, size=wdt).tolist()
+        reps, creps = [], []
+        for _ in range(5):
+            s2 = context.copy()
+            _sync(b)
+            t0 = time.perf_counter()
+            _, _, rec = model.verify(ids, s2, logits="argmax")
+            t1 = time.perf_counter()
+            model.rollback(s2, rec, max(1, wdt // 2))
+            _sync(b)
+            t2 = time.perf_counter()
+            reps.append(t1 - t0)
+            creps.append(t2 - t1)
+        verify_ms[wdt] = statistics.median(reps) * 1e3
+        commit_ms[wdt] = statistics.median(creps) * 1e3
+    log("verify " + ", ".join(f"{w}: {ms:.2f} ms" for w, ms in verify_ms.items()))
+
+    # device time of the decode graph alone (behind a busy-wait, so the host's launch is hidden)
+    s3 = context.copy()
+    step._bind(s3)
+    key = (1, "advance", "last", ())
+    graph_ms = []
+    for _ in range(7):
+        dev, _, _ = timer(lambda: step._launch(key, None), cover_s=2e-3)
+        graph_ms.append(dev * 1e3)
+    graph_dev_ms = statistics.median(graph_ms)
+
+    ops_rows, per_op_sum = [], float("nan")
+    if profile:
+        ops = step.ops_for(1, "advance", "last")
+        s4 = context.copy()
+        step._bind(s4)
+        start_evs = [cp.cuda.Event() for _ in ops]
+        end_evs = [cp.cuda.Event() for _ in ops]
+        _sync(b)
+        b.busy_wait(20e-3)
+        for op, e0, e1 in zip(ops, start_evs, end_evs):
+            e0.record()
+            op()
+            e1.record()
+        end_evs[-1].synchronize()
+        agg: dict[str, list[float]] = {}
+        for op, e0, e1 in zip(ops, start_evs, end_evs):
+            a = agg.setdefault(_op_kind(op.label), [0, 0.0, 0])
+            a[0] += 1
+            a[1] += cp.cuda.get_elapsed_time(e0, e1)
+            a[2] += getattr(op, "weight_bytes", 0)
+        per_op_sum = sum(v[1] for v in agg.values())
+        for label, (n, ms, nbytes) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+            row = {"op": label, "n": n, "device_ms": ms, "host_ms": 0.0}
+            if nbytes and ms > 0:
+                row["GBps"] = nbytes / (ms / 1e3) / 1e9
+            ops_rows.append(row)
+    return {"prefill_s": prefill_s, "step_s": step_s, "verify_ms": verify_ms, "commit_ms": commit_ms,
+            "graph_dev_ms": graph_dev_ms, "per_op_sum_ms": per_op_sum, "ops": ops_rows}
 
 
 def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: int = 512, seed: int = 0,
@@ -439,6 +556,26 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
         copy_bytes = (1 << 30) if is_gpu else (256 << 20)
     copy_bps = copy_bandwidth(b, copy_bytes)
     log(f"copy bandwidth {copy_bps / 1e9:.0f} GB/s")
+
+    if getattr(model, "gpu_step", None) is not None:
+        r = _bench_gpu_step(model, tokens=tokens, widths=widths, prefill=prefill, rng=rng, copy_bps=copy_bps,
+                            profile=profile, log=log)
+        step_s = r["step_s"]
+        bound_s = bytes_per_step / copy_bps
+        data = {
+            "model": str(model.path), "device": getattr(b, "device", "cpu"), "weights_gb": total_bytes / 1e9,
+            "copy_GBps": copy_bps / 1e9, "prefill_tokens": prefill, "prefill_ms": r["prefill_s"] * 1e3,
+            "prefill_tok_s": prefill / r["prefill_s"], "decode_steps": tokens, "context": prefill,
+            "decode_ms": step_s * 1e3, "decode_tok_s": 1.0 / step_s, "verify_ms": r["verify_ms"],
+            "commit_ms": r["commit_ms"],
+            "verify_23_over_decode": r["verify_ms"].get(23, float("nan")) / (step_s * 1e3),
+            "bytes_per_step": bytes_per_step, "bound_ms": bound_s * 1e3, "bound_fraction": bound_s / step_s,
+            "device_busy_ms": r["graph_dev_ms"], "graph_device_ms": r["graph_dev_ms"],
+            "per_op_sum_ms": r["per_op_sum_ms"], "profiled_step_ms": float("nan"),
+            "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"],
+            "n_layer": hp.n_layer, "n_vocab": n_vocab, "path": "gpu_step (CUDA graph per step)",
+        }
+        return BenchResult(data)
 
     prompt = rng.integers(0, n_vocab, size=prefill).tolist()
     # Warm-up: compiles every kernel shape the timed runs use (prefill chunk, decode, each width).

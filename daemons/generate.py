@@ -320,6 +320,7 @@ def generate(
     # and bonus). Token j of a step is handled exactly as autoregressive decoding handles it, with the
     # state then holding `n_state` = the step's base + j tokens.
     tokens = [sampler.sample(logits, history)]
+    greedy_ids = sampler.params.is_greedy and getattr(model, "gpu_step", None) is not None
     while True:
         ids: list[int] = []
         texts: list[str] = []
@@ -362,6 +363,10 @@ def generate(
             base = n_state
             tokens = speculative.step(state, tokens[-1], sampler, history, request.max_tokens - generated, max_ctx)
             n_state = base + 1
+        elif greedy_ids:
+            # greedy: the model's own argmax (on a GPU only the id crosses to the host)
+            tokens = [int(model.forward([tokens[-1]], state, logits="argmax_last")[0])]
+            n_state += 1
         else:
             logits = _last_logits(model.forward([tokens[-1]], state))
             n_state += 1

@@ -388,10 +388,22 @@ class Qwen35Model:
         self.path = gguf.path
         b = backend
         vec = lambda name: b.load_vector(gguf.tensor(name))   # noqa: E731
-        mat = lambda name: b.load_weight(gguf.tensor(name))   # noqa: E731
-        self.token_embd = mat("token_embd.weight")
+        # Matrices that are only multiplied may take a backend-specific layout (the GPU's
+        # tensor-core units); the embedding table is read by rows, so it keeps the file's layout.
+        # A file whose matrices are all float (F32/F16/BF16) is a reference run: it keeps the plain
+        # layout and float32 activations (the tensor-core path rounds activations to f16).
+        load_mm = getattr(b, "load_matmul_weight", None)
+        if load_mm is not None and all(int(gguf.tensor(n).qtype) in _FLOAT_TYPES
+                                       for n, ne, _ in _tensor_specs(hparams, "output.weight" not in gguf.tensors)
+                                       if len(ne) == 2 and "conv1d" not in n):
+            load_mm = None
+        mat = (lambda name: load_mm(gguf.tensor(name))) if load_mm else (lambda name: b.load_weight(gguf.tensor(name)))
+        self.token_embd = b.load_weight(gguf.tensor("token_embd.weight"))
         self.tied_output = "output.weight" not in gguf.tensors
-        self.output = self.token_embd if self.tied_output else mat("output.weight")
+        if self.tied_output:
+            self.output = mat("token_embd.weight") if load_mm else self.token_embd
+        else:
+            self.output = mat("output.weight")
         self.output_norm = vec("output_norm.weight")
         self.layers: list[_Layer] = []
         for il in range(hparams.n_layer):
@@ -411,6 +423,10 @@ class Qwen35Model:
                                       post_norm=vec(p + "post_attention_norm.weight"),
                                       ffn_gate=mat(p + "ffn_gate.weight"), ffn_up=mat(p + "ffn_up.weight"),
                                       ffn_down=mat(p + "ffn_down.weight"), mixer=mixer))
+        # On a GPU whose weights all took the tensor-core layout, steps run as captured graphs of
+        # fused kernels (daemons/qwen35_gpu.py); otherwise through the backend's operations below.
+        from daemons.qwen35_gpu import Qwen35GpuStep, step_supported
+        self.gpu_step: Qwen35GpuStep | None = Qwen35GpuStep(self) if step_supported(self) else None
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: Any = None) -> "Qwen35Model":
@@ -451,22 +467,31 @@ class Qwen35Model:
         """Run `token_ids` (positions state.n_past, n_past+1, ...) in one batch and advance `state`.
 
         logits: "last" -> float32 host [1, vocab]; "all" -> [T, vocab]; "none" -> None (skips the
-        LM head, for prompt chunks whose logits nobody reads).
+        LM head, for prompt chunks whose logits nobody reads); "argmax" -> int64 [T] greedy ids of
+        every row, "argmax_last" -> [1] (on a GPU only the ids cross to the host).
         capture_layers: layer ids whose output x' (after the FFN residual, HF `hidden_states[il+1]`)
         is returned too; then the result is `(logits, {il: float32 host [T, n_embd]})`.
         deltanet_mode: "auto" (chunked form for T > 1, recurrence for one token), "recurrent" or
         "chunked"."""
-        if logits not in ("last", "all", "none"):
-            raise ModelInputError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+        if logits not in ("last", "all", "none", "argmax", "argmax_last"):
+            raise ModelInputError(f"logits must be 'last', 'all', 'none', 'argmax' or 'argmax_last', got {logits!r}")
         if deltanet_mode not in ("auto", "recurrent", "chunked"):
             raise ModelInputError(f"deltanet_mode must be 'auto', 'recurrent' or 'chunked', got {deltanet_mode!r}")
         ids = self._check_call(token_ids, state, capture_layers)
+        if self.gpu_step is not None:
+            return self._gpu_forward(ids, state, logits, capture_layers)
+        if logits in ("argmax", "argmax_last"):
+            out = self.forward(ids, state, logits="all" if logits == "argmax" else "last",
+                               capture_layers=capture_layers, deltanet_mode=deltanet_mode)
+            lg, cap = out if capture_layers is not None else (out, None)
+            am = np.argmax(lg, axis=-1).astype(np.int64)
+            return (am, cap) if capture_layers is not None else am
         use_chunked = deltanet_mode == "chunked" or (deltanet_mode == "auto" and len(ids) > 1)
         out, captured = self._run(ids, state, logits, capture_layers, use_chunked, record=None)
         return (out, captured) if capture_layers is not None else out
 
     def verify(self, token_ids: Sequence[int], state: Qwen35State, capture_layers: Collection[int] | None = None,
-               reuse: VerifyRecord | None = None) -> tuple[np.ndarray, dict[int, np.ndarray], VerifyRecord]:
+               reuse: VerifyRecord | None = None, logits: str = "all") -> tuple[np.ndarray, dict[int, np.ndarray], Any]:
         """Forward a speculative block (positions state.n_past ...) and advance `state` by all of it;
         returns (logits float32 [T, vocab], {il: captured layer output [T, n_embd]}, record). Keep a
         prefix of the block with `rollback(state, record, n_keep)`.
@@ -478,8 +503,19 @@ class Qwen35Model:
         the matrix products are the backend's batch-invariant ones (CPU: the fused kernel, T <= 32).
 
         `reuse`: an earlier record of this model whose checkpoint buffers may be overwritten (the
-        caller is done rolling back with it); saves allocating T states per layer every step."""
+        caller is done rolling back with it); saves allocating T states per layer every step.
+        `logits="argmax"` returns the int64 greedy id of every row instead of the logits.
+
+        On a GPU step (daemons/qwen35_gpu.py) the record is a `GpuVerifyRecord`: the block's inputs
+        stay in the engine's buffers until the next verify, and `rollback` replays the kept prefix."""
         ids = self._check_call(token_ids, state, capture_layers)
+        if logits not in ("all", "argmax"):
+            raise ModelInputError(f"verify logits must be 'all' or 'argmax', got {logits!r}")
+        if self.gpu_step is not None:
+            from daemons.qwen35_gpu import MAX_T
+            if len(ids) > MAX_T:
+                raise ModelInputError(f"a verify block holds at most {MAX_T} tokens on the GPU, got {len(ids)}")
+            return self.gpu_step.verify(ids, state, logits=logits, capture=capture_layers or ())
         hp, xp = self.hparams, self.backend.xp
         T = len(ids)
         layers = hp.deltanet_layers
@@ -492,6 +528,8 @@ class Qwen35Model:
                               ssm_after={il: buffers[il][:T] for il in layers}, conv_inputs={},
                               ssm_buffers=buffers)
         out, captured = self._run(ids, state, "all", capture_layers, False, record=record)
+        if logits == "argmax":
+            out = np.argmax(out, axis=-1).astype(np.int64)
         return out, captured, record
 
     def rollback(self, state: Qwen35State, record: VerifyRecord, n_keep: int) -> None:
@@ -501,6 +539,12 @@ class Qwen35Model:
         prefix stay in place (never read: attention is causal) and are overwritten later."""
         if not 0 <= n_keep <= record.n_tokens:
             raise ModelInputError(f"rollback keeps {n_keep} tokens of a {record.n_tokens}-token block")
+        if self.gpu_step is not None:
+            try:
+                self.gpu_step.commit(state, record, n_keep)
+            except ValueError as exc:
+                raise StateError(str(exc)) from None
+            return
         if not record.n_past0 <= state.n_past <= record.n_past0 + record.n_tokens:
             raise StateError(f"state holds {state.n_past} tokens; it cannot be the state of the verified block "
                              f"at positions {record.n_past0}..{record.n_past0 + record.n_tokens - 1}")
@@ -554,6 +598,32 @@ class Qwen35Model:
             out = np.asarray(b.to_host(b.matmul(b.rms_norm(sel, self.output_norm, hp.rms_eps), self.output)),
                              dtype=np.float32)
         return out, captured
+
+    def _gpu_forward(self, ids: np.ndarray, state: Qwen35State, logits: str, capture_layers: Collection[int] | None):
+        """`forward` on the GPU step: chunks of at most 32 tokens, each one graph launch."""
+        from daemons.qwen35_gpu import MAX_T
+        step = self.gpu_step
+        cap = tuple(capture_layers) if capture_layers is not None else ()
+        outs, caps = [], {}
+        T = len(ids)
+        for c0 in range(0, T, MAX_T):
+            part = ids[c0:c0 + MAX_T]
+            last = c0 + MAX_T >= T
+            want = logits if (logits in ("all", "argmax") or last) else "none"
+            out, cap_part = step.step(part, state, "advance", want, cap)
+            if out is not None:
+                outs.append(out)
+            for il, a in cap_part.items():
+                caps.setdefault(il, []).append(a)
+        if logits == "none":
+            res = None
+        elif logits in ("all", "argmax"):
+            res = np.concatenate(outs, axis=0)
+        else:
+            res = outs[-1]
+        if capture_layers is not None:
+            return res, {il: np.concatenate(parts, axis=0) for il, parts in caps.items()}
+        return res
 
     def prefill(self, token_ids: Sequence[int], state: Qwen35State, chunk: int = 512, logits: str = "last",
                 capture_layers: Collection[int] | None = None):

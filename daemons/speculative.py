@@ -229,8 +229,11 @@ class SpeculativeDecoder:
         if limit >= 1 and self.active:
             drafts = cut_proposal(self.drafter.propose(n, anchor, limit), self.params, limit)
         block = [int(anchor)] + drafts
+        # Greedy sampling is the argmax of each row: ask the model for the ids (on a GPU only they
+        # cross to the host); the sampler would pick the same token from the logits.
+        greedy = sampler.params.is_greedy
         logits, captured, record = self.model.verify(block, state, capture_layers=self.capture_layers,
-                                                     reuse=self._buffers)
+                                                     reuse=self._buffers, logits="argmax" if greedy else "all")
         self._buffers = record            # its checkpoint buffers serve the next verify (grown when needed)
 
         track_rng = sampler.params.temperature > 0          # greedy sampling draws no random numbers
@@ -239,7 +242,7 @@ class SpeculativeDecoder:
         sampled: list[int] = []
         self._rng_after = []
         for i in range(len(block)):
-            s = int(sampler.sample(logits[i], hist))
+            s = int(logits[i]) if greedy else int(sampler.sample(logits[i], hist))
             sampled.append(s)
             if track_rng:
                 self._rng_after.append(sampler.get_state())

@@ -130,9 +130,9 @@ class _Modules:
             if mod is None:
                 code = self._sources.get(source)
                 if code is None:
-                    code = (_KERNEL_DIR / source).read_text()
+                    code = _inline_includes((_KERNEL_DIR / source).read_text())
                     self._sources[source] = code
-                options = tuple(f"-D{d}" for d in defines)
+                options = ("--std=c++17",) + tuple(f"-D{d}" for d in defines)
                 try:
                     mod = cp.RawModule(code=code, options=options)
                     mod.compile()
@@ -144,6 +144,19 @@ class _Modules:
 
 
 _MODULES = _Modules()
+
+
+def _inline_includes(code: str) -> str:
+    """Replace `#include "x.cuh"` of a file in kernels/ by its text: CuPy keys its compile cache on the
+    source string, so a header must be part of it (an -I include would not invalidate the cache)."""
+    out = []
+    for line in code.splitlines():
+        stripped = line.strip()
+        if stripped.startswith('#include "') and stripped.endswith('.cuh"'):
+            out.append((_KERNEL_DIR / stripped[len('#include "'):-1]).read_text())
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def _shape_str(a) -> str:
@@ -183,9 +196,57 @@ class CudaBackend:
         self.device = f"{self.name}:{device_id}"
         self._pos_cache: tuple[bytes, Any] | None = None
         self._clock_khz: int | None = None
+        self._fused = None
+        self._tc_scratch: dict[str, Any] = {}
+
+    supports_fused_step = True      # daemons/qwen35_gpu.py: the step as fused kernels
+    supports_graphs = True          # ... captured as CUDA graphs
 
     def __repr__(self) -> str:
         return f"CudaBackend(device={self.device!r})"
+
+    @property
+    def multiprocessors(self) -> int:
+        return int(self._device.attributes.get("MultiProcessorCount", 132))
+
+    @staticmethod
+    def ptr(array) -> int:
+        """Device address of an array's first element."""
+        return int(array.data.ptr)
+
+    @property
+    def fused(self):
+        """kernels.fused_gpu.FusedGpu over this device (tensor-core weights and fused kernels)."""
+        if self._fused is None:
+            from kernels.fused_gpu import FusedGpu
+            self._fused = FusedGpu(self)
+        return self._fused
+
+    def capture_graph(self, ops) -> Any:
+        """Capture the launches `ops` (callables) as a CUDA graph. Every kernel is loaded and every
+        buffer allocated beforehand: nothing may compile or allocate during the capture."""
+        cp = self._cp
+        for op in ops:
+            kern = getattr(op, "kernel", None)
+            if kern is not None:
+                _ = kern.num_regs            # loads the function (CUDA loads modules lazily)
+            warm = getattr(op, "warm", None)
+            if warm is not None:
+                warm()
+        self._device.synchronize()
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                for op in ops:
+                    op()
+            finally:
+                graph = stream.end_capture()
+        self._device.synchronize()
+        return graph
+
+    def launch_graph(self, graph) -> None:
+        graph.launch(self._cp.cuda.get_current_stream())
 
     def synchronize(self) -> None:
         """Wait for all work queued on the device (benchmarks)."""
@@ -327,6 +388,18 @@ class CudaBackend:
             data[:nbytes].set(np.ascontiguousarray(raw).reshape(-1))
         return GpuWeight(str(tensor.name), qtype, n_out, n_in, row_bytes, nbytes, data)
 
+    def load_matmul_weight(self, tensor: Any) -> Any:
+        """A matrix that is only multiplied (never looked up by rows): in the tensor-core layout
+        (kernels/fused_gpu.TcWeight) when its type has one, else as `load_weight`."""
+        from kernels.fused_gpu import TC_TYPES
+        ne = tuple(int(n) for n in tensor.ne)
+        if len(ne) == 2 and int(tensor.qtype) in TC_TYPES and ne[0] % 8 == 0:
+            try:
+                return self.fused.repack(str(tensor.name), int(tensor.qtype), ne[1], ne[0], np.asarray(tensor.raw))
+            except ValueError as exc:
+                raise BackendError(str(exc)) from None
+        return self.load_weight(tensor)
+
     def load_vector(self, tensor: Any) -> Any:
         return self._cp.asarray(np.ascontiguousarray(tensor.dequantize(), dtype=np.float32))
 
@@ -339,9 +412,40 @@ class CudaBackend:
             return True
         return weight.n_in % 4 == 0      # F16/BF16/F32 rows are read 4 columns at a time
 
+    def _tc_matmul(self, x, weight) -> Any:
+        """x[T, n_in] @ W.T for a tensor-core weight: 32 rows at a time through the step's kernels."""
+        from kernels.fused_gpu import MAX_T, MODE_STORE, ActBuffer, MmWorkspace
+        cp = self._cp
+        fg = self.fused
+        act = self._tc_scratch.get(("act", weight.n_in))
+        if act is None:
+            act = self._tc_scratch[("act", weight.n_in)] = ActBuffer(cp, weight.n_in)
+        n_f, n_c = fg.workspace_need([weight], MODE_STORE)
+        ws = self._tc_scratch.get("ws")
+        if ws is None or ws.ws.size < n_f or ws.counters.size < n_c:
+            ws = self._tc_scratch["ws"] = MmWorkspace(cp, max(n_f, ws.ws.size if ws else 0),
+                                                       max(n_c, ws.counters.size if ws else 0))
+        n_t = x.shape[0]
+        y = cp.empty((n_t, weight.n_out), dtype=cp.float32)
+        for t0 in range(0, n_t, MAX_T):
+            t1 = min(t0 + MAX_T, n_t)
+            rows = cp.ascontiguousarray(x[t0:t1])
+            fg.op_prep_rows("prep", rows, weight.n_in, 0, None, 0.0, weight.n_in, False, act, t1 - t0)()
+            out = y[t0:t1]
+            fg.op_mm("mm", [(weight, out, 0, weight.n_out)], act, t1 - t0, MODE_STORE, ws)()
+        return y
+
     def matmul(self, x: Any, weight: GpuWeight) -> Any:
         cp = self._cp
         x = self._f32(x)
+        if not isinstance(weight, GpuWeight):        # a tensor-core weight (kernels.fused_gpu.TcWeight)
+            squeeze = x.ndim == 1
+            x2 = x[None, :] if squeeze else x
+            if x2.ndim != 2 or x2.shape[1] != weight.n_in:
+                raise BackendError(f"matmul: x{list(x.shape)} does not match weight '{weight.name}' "
+                                   f"({weight.n_out}, {weight.n_in})")
+            y = self._tc_matmul(x2, weight) if x2.shape[0] else cp.empty((0, weight.n_out), dtype=cp.float32)
+            return y[0] if squeeze else y
         squeeze = x.ndim == 1
         if squeeze:
             x = x[None, :]

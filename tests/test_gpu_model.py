@@ -63,6 +63,13 @@ def _prompt(n_vocab: int, n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, n_vocab, size=n).tolist()
 
 
+def _tol(gpu_m) -> float:
+    """1e-3 for the backend-operation path (float32 activations); the fused GPU step
+    (daemons/qwen35_gpu.py) rounds matmul inputs to f16, which alone moves these tiny random nets
+    by a few 1e-3 (tests/test_gpu_step.py holds it to twice that rounding's own effect)."""
+    return 1e-3 if gpu_m.gpu_step is None else 1.5e-2
+
+
 def rel_err(a, ref) -> float:
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -75,12 +82,13 @@ def test_prompt_logits_match_cpu(models):
     got = gpu_m.forward(prompt, gpu_m.new_state(64), logits="all")
     assert got.shape == ref.shape and np.isfinite(got).all()
     err = rel_err(got, ref)
-    assert err <= 1e-3, f"{kind}: prompt logits differ from the CPU's by {err:.3g} (relative)"
+    tol = _tol(gpu_m)
+    assert err <= tol, f"{kind}: prompt logits differ from the CPU's by {err:.3g} (relative)"
     row_err = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)
-    assert row_err.max() <= 1e-3, f"{kind}: worst position differs by {row_err.max():.3g}"
+    assert row_err.max() <= 2 * tol, f"{kind}: worst position differs by {row_err.max():.3g}"
     # Recurrent DeltaNet over the prompt (the verify path) gives the same logits as the chunked entry.
     got_rec = gpu_m.forward(prompt, gpu_m.new_state(64), logits="all", deltanet_mode="recurrent")
-    assert rel_err(got_rec, ref) <= 1e-3
+    assert rel_err(got_rec, ref) <= tol
 
 
 def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
@@ -106,7 +114,7 @@ def test_greedy_decode_matches_cpu(models):
         pytest.fail(f"{kind}: GPU greedy token {i} is {gpu_toks[i]}, CPU's is {cpu_toks[i]} (CPU top-2 gap "
                     f"{top2[1] - top2[0]:.3g}, logit difference {np.abs(gpu_rows[i] - cpu_rows[i]).max():.3g})")
     worst = max(rel_err(g, c) for g, c in zip(gpu_rows, cpu_rows))
-    assert worst <= 1e-3, f"{kind}: decode logits drift to {worst:.3g} relative"
+    assert worst <= 2 * _tol(gpu_m), f"{kind}: decode logits drift to {worst:.3g} relative"
 
 
 def test_verify_batch_equals_decode_steps(models):
@@ -138,9 +146,9 @@ def test_long_prompt_matches_cpu(models):
     cs, gs = cpu_m.new_state(320), gpu_m.new_state(320)
     ref = cpu_m.prefill(prompt, cs, chunk=128)
     got = gpu_m.prefill(prompt, gs, chunk=128)
-    assert rel_err(got, ref) <= 1e-3
+    assert rel_err(got, ref) <= 2 * _tol(gpu_m)
     nxt = int(np.argmax(ref[-1]))
-    assert rel_err(gpu_m.forward([nxt], gs), cpu_m.forward([nxt], cs)) <= 1e-3
+    assert rel_err(gpu_m.forward([nxt], gs), cpu_m.forward([nxt], cs)) <= 2 * _tol(gpu_m)
 
 
 def test_state_snapshot_round_trip(models):

@@ -193,3 +193,47 @@ class EmuDevice:
                 path = _build(source.replace(".", "_"), "\n".join(body))
                 lib = self._libs[source] = _Library(path)
             return lib
+
+
+class EmuBackend(EmuDevice):
+    """Enough of a model backend for `daemons.qwen35.Qwen35Model` to load onto the emulated device
+    and run through its GPU step (daemons/qwen35_gpu.py): weights in the GPU layouts (raw GGUF rows
+    for the embedding, tensor-core units for the rest), vectors as float32 arrays."""
+
+    supports_fused_step = True
+
+    def __init__(self):
+        super().__init__()
+        from kernels.fused_gpu import FusedGpu
+        self.fused = FusedGpu(self)
+
+    def asarray(self, host_array: Any, dtype: Any = None) -> np.ndarray:
+        return np.array(host_array, dtype=dtype, copy=True)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return np.asarray(array)
+
+    def load_weight(self, tensor: Any):
+        from kernels.cuda_backend import _BLOCKS, WEIGHT_PAD_BYTES, GpuWeight
+        n_in, n_out = (int(n) for n in tensor.ne)
+        bw, bb = _BLOCKS[int(tensor.qtype)]
+        row_bytes = n_in // bw * bb
+        raw = np.ascontiguousarray(np.asarray(tensor.raw)).reshape(-1)
+        data = np.zeros(raw.size + WEIGHT_PAD_BYTES, dtype=np.uint8)
+        data[:raw.size] = raw
+        if int(tensor.qtype) == 0:
+            data = raw.view(np.float32).reshape(n_out, n_in).copy()
+        return GpuWeight(str(tensor.name), int(tensor.qtype), n_out, n_in, row_bytes, n_out * row_bytes, data)
+
+    def load_matmul_weight(self, tensor: Any):
+        from kernels.fused_gpu import TC_TYPES
+        n_in, n_out = (int(n) for n in tensor.ne)
+        if int(tensor.qtype) in TC_TYPES and n_in % 8 == 0:
+            return self.fused.repack(str(tensor.name), int(tensor.qtype), n_out, n_in, np.asarray(tensor.raw))
+        return self.load_weight(tensor)
+
+    def load_vector(self, tensor: Any) -> np.ndarray:
+        return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
+
+    def weight_nbytes(self, weight: Any) -> int:
+        return weight.nbytes

@@ -2,35 +2,103 @@
 // kernel sources into one shared library; every `extern "C" __global__` kernel gets an exported
 // entry `emu_ptr_<name>()` returning a host function with the kernel's own signature that runs the
 // whole grid configured by the last `emu_config` call.
+//
+// Each thread of a block is a fiber (makecontext/swapcontext) run by one scheduler on the calling
+// OS thread: a fiber runs until it reaches a barrier (block or warp) or returns; when every live
+// fiber of the scope waits, the barrier opens. A barrier that can never open (a kernel bug: some
+// threads at __syncthreads, others at a warp operation or exited early) aborts with a message.
+#include <ucontext.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #include "emu_runtime.h"
 
-thread_local EmuDim threadIdx;
-thread_local EmuDim blockIdx;
+EmuDim threadIdx{0, 0, 0};
+EmuDim blockIdx{0, 0, 0};
 EmuDim blockDim{1, 1, 1};
 EmuDim gridDim{1, 1, 1};
 
+#if defined(__x86_64__)
+// A minimal context switch (callee-saved registers and the stack pointer), because swapcontext also
+// saves the signal mask with a system call and made the emulator 5x slower.
+extern "C" void emu_switch(void** save_sp, void* new_sp);
+asm(R"(
+.text
+.globl emu_switch
+.type emu_switch,@function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+.size emu_switch, .-emu_switch
+)");
+#define EMU_FAST_SWITCH 1
+#endif
+
 namespace {
+constexpr size_t kStack = 256 * 1024;
+
+enum class Wait { none, block, warp, done };
+
+struct Fiber {
+    ucontext_t ctx;
+    void* sp = nullptr;            // EMU_FAST_SWITCH: saved stack pointer
+    Wait wait = Wait::none;
+};
+
 struct Block {
-    std::unique_ptr<std::barrier<>> bar;
-    std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
+    std::vector<Fiber> fibers;
     std::vector<unsigned int> slots;          // [n_warps][32][8]
     std::vector<unsigned char> dyn;
+    ucontext_t sched;
+    void* sched_sp = nullptr;
+    unsigned current = 0;
+    const std::function<void()>* body = nullptr;
 };
+
 Block* g_block = nullptr;
 EmuDim g_grid{1, 1, 1}, g_blockdim{1, 1, 1};
 size_t g_smem = 0;
 std::mutex g_launch;
+
+void yield_with(Wait w) {
+    Block* b = g_block;
+    Fiber& f = b->fibers[b->current];
+    f.wait = w;
+#ifdef EMU_FAST_SWITCH
+    emu_switch(&f.sp, b->sched_sp);
+#else
+    swapcontext(&f.ctx, &b->sched);
+#endif
+}
+
+void fiber_entry() {
+    (*g_block->body)();
+    yield_with(Wait::done);
+    std::abort();                  // a finished fiber is never resumed
+}
 }  // namespace
 
-void emu_syncthreads() { g_block->bar->arrive_and_wait(); }
-void emu_warp_sync() { g_block->warp_bars[threadIdx.x >> 5]->arrive_and_wait(); }
+void emu_syncthreads() { yield_with(Wait::block); }
+void emu_warp_sync() { yield_with(Wait::warp); }
 unsigned int* emu_warp_slots() { return g_block->slots.data() + (size_t)(threadIdx.x >> 5) * 32 * 8; }
 void* emu_dyn_smem() { return g_block->dyn.data(); }
 
@@ -41,6 +109,57 @@ extern "C" void emu_config(unsigned gx, unsigned gy, unsigned gz, unsigned bx, u
     g_smem = (size_t)smem;
 }
 
+static void run_block(Block& blk, unsigned n_threads) {
+    const unsigned n_warps = n_threads / 32;
+    for (;;) {
+        bool ran = false;
+        for (unsigned t = 0; t < n_threads; ++t) {
+            Fiber& f = blk.fibers[t];
+            if (f.wait != Wait::none) continue;
+            blk.current = t;
+            threadIdx = EmuDim{t, 0, 0};
+#ifdef EMU_FAST_SWITCH
+            emu_switch(&blk.sched_sp, f.sp);
+#else
+            swapcontext(&blk.sched, &f.ctx);
+#endif
+            ran = true;
+        }
+        if (ran) continue;
+        // nobody runnable: open the barriers whose scope is complete
+        unsigned n_done = 0, n_block = 0;
+        for (auto& f : blk.fibers) {
+            n_done += f.wait == Wait::done;
+            n_block += f.wait == Wait::block;
+        }
+        if (n_done == n_threads) return;
+        bool released = false;
+        for (unsigned w = 0; w < n_warps; ++w) {
+            unsigned n_warp = 0, n_live = 0;
+            for (unsigned l = 0; l < 32; ++l) {
+                const Wait s = blk.fibers[w * 32 + l].wait;
+                n_warp += s == Wait::warp;
+                n_live += s != Wait::done;
+            }
+            if (n_warp > 0 && n_warp == n_live) {
+                for (unsigned l = 0; l < 32; ++l)
+                    if (blk.fibers[w * 32 + l].wait == Wait::warp) blk.fibers[w * 32 + l].wait = Wait::none;
+                released = true;
+            }
+        }
+        if (!released && n_block > 0 && n_block + n_done == n_threads) {
+            for (auto& f : blk.fibers)
+                if (f.wait == Wait::block) f.wait = Wait::none;
+            released = true;
+        }
+        if (!released) {
+            std::fprintf(stderr, "emu: deadlock in block (%u,%u,%u): %u at __syncthreads, %u done, others at warp ops\n",
+                         blockIdx.x, blockIdx.y, blockIdx.z, n_block, n_done);
+            std::abort();
+        }
+    }
+}
+
 static void emu_run(const std::function<void()>& body) {
     std::lock_guard<std::mutex> lock(g_launch);
     const unsigned n_threads = g_blockdim.x * g_blockdim.y * g_blockdim.z;
@@ -48,31 +167,41 @@ static void emu_run(const std::function<void()>& body) {
         throw std::runtime_error("emu: blocks must be 1-D with a multiple of 32 threads (<= 1024)");
     blockDim = g_blockdim;
     gridDim = g_grid;
-    const unsigned n_warps = n_threads / 32;
+    static std::vector<std::unique_ptr<char[]>> stacks;    // reused between blocks and launches
+    while (stacks.size() < n_threads) stacks.emplace_back(new char[kStack]);
+    Block blk;
+    blk.body = &body;
+    blk.slots.assign((size_t)(n_threads / 32) * 32 * 8, 0u);
+    blk.fibers.resize(n_threads);
+    g_block = &blk;
     for (unsigned bz = 0; bz < g_grid.z; ++bz)
         for (unsigned by = 0; by < g_grid.y; ++by)
             for (unsigned bx = 0; bx < g_grid.x; ++bx) {
-                Block blk;
-                blk.bar = std::make_unique<std::barrier<>>(n_threads);
-                for (unsigned w = 0; w < n_warps; ++w) blk.warp_bars.push_back(std::make_unique<std::barrier<>>(32));
-                blk.slots.assign((size_t)n_warps * 32 * 8, 0u);
+                blockIdx = EmuDim{bx, by, bz};
                 blk.dyn.assign(g_smem + 16, 0xcd);        // poisoned, as uninitialised smem is
-                g_block = &blk;
-                std::vector<std::thread> threads;
-                threads.reserve(n_threads);
                 for (unsigned t = 0; t < n_threads; ++t) {
-                    threads.emplace_back([&, t, bx, by, bz]() {
-                        threadIdx = EmuDim{t, 0, 0};
-                        blockIdx = EmuDim{bx, by, bz};
-                        body();
-                        // a thread that returned no longer takes part in barriers
-                        blk.warp_bars[t >> 5]->arrive_and_drop();
-                        blk.bar->arrive_and_drop();
-                    });
+                    Fiber& f = blk.fibers[t];
+                    f.wait = Wait::none;
+#ifdef EMU_FAST_SWITCH
+                    // initial frame for emu_switch's pops: six registers, then the return address
+                    uintptr_t top = ((uintptr_t)stacks[t].get() + kStack) & ~(uintptr_t)15;
+                    void** sp = (void**)(top - 16);          // return address at a 16-aligned slot
+                    sp[0] = (void*)&fiber_entry;
+                    sp[1] = nullptr;
+                    sp -= 6;
+                    for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+                    f.sp = sp;
+#else
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = stacks[t].get();
+                    f.ctx.uc_stack.ss_size = kStack;
+                    f.ctx.uc_link = nullptr;
+                    makecontext(&f.ctx, fiber_entry, 0);
+#endif
                 }
-                for (auto& th : threads) th.join();
-                g_block = nullptr;
+                run_block(blk, n_threads);
             }
+    g_block = nullptr;
 }
 
 template <typename F> struct EmuExport;

@@ -2,10 +2,11 @@
 // (kernels/*.cu, built with -DDFLASH_EMU) on the CPU, so the CPU test suite checks the CUDA code's
 // logic (indexing, layouts, reductions, the split-K protocol) without a GPU.
 //
-// Model: a launch runs its thread blocks one after another; the threads of a block are real OS
-// threads, so __syncthreads is a barrier and shared memory (`__shared__` = one static object per
-// declaration) is shared by the block. Warp operations (shuffles, the m16n8k16 MMA) exchange values
-// through per-warp slots between two warp barriers. f16 arithmetic is exact-then-rounded (round to
+// Model: a launch runs its thread blocks one after another; the threads of a block are fibers
+// (ucontext) on one OS thread, switched at synchronisation points: __syncthreads waits for every
+// thread of the block, warp operations (shuffles, the m16n8k16 MMA) for the 32 lanes of the warp,
+// exchanging values through per-warp slots. Shared memory (`__shared__` = one static object per
+// declaration) is therefore shared by the block. f16 arithmetic is exact-then-rounded (round to
 // nearest even), which is what the hardware's fma.rn.f16x2 / sub.rn / mul.rn compute.
 //
 // What it is not: a timing model, a memory-model checker, or a model of divergent warp
@@ -28,8 +29,8 @@ inline float4 make_float4(float a, float b, float c, float d) { return float4{a,
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct EmuDim { unsigned int x, y, z; };
 
-extern thread_local EmuDim threadIdx;
-extern thread_local EmuDim blockIdx;
+extern EmuDim threadIdx;      // of the running fiber
+extern EmuDim blockIdx;
 extern EmuDim blockDim;
 extern EmuDim gridDim;
 

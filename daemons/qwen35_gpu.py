@@ -1,0 +1,393 @@
+"""The qwen35 forward on a GPU as prepared launches, one CUDA graph per step.
+
+`Qwen35Model` (daemons/qwen35.py) hands `forward`, `prefill`, `verify` and `rollback` to a
+`Qwen35GpuStep` when it runs on a GPU backend and every matrix has a tensor-core layout
+(kernels/fused_gpu.py TC_TYPES: Q4_K, Q5_K, Q6_K, Q8_0, F16). A step of T <= 32 tokens is, per
+layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
+
+    DeltaNet   prep(attn_norm) -> mm[qkv | z | alpha | beta] -> gdn_conv -> gdn_recur -> gdn_out_prep
+               -> mm[ssm_out] += x
+    attention  prep(attn_norm) -> mm[q|gate, k, v] -> attn_qk_rope_kv -> attn_partial
+               -> attn_combine_prep -> mm[attn_output] += x
+    FFN        prep(post_attention_norm) -> mm[gate, up] with the SwiGLU epilogue -> mm[down] += x
+
+then prep(output_norm) -> mm[output] -> argmax. Matrices of one launch share a type; a layer whose
+fused projections have two types (llama.cpp's Q4_K_M gives attn_qkv Q6_K in some layers) takes two
+launches. The launch list for each (T, mode, logits, captured layers) is built once and captured
+as a CUDA graph; a step then writes the params block (position, token ids), rebinds the state table
+if the state changed, launches the graph and reads back token ids (and logits only when asked).
+
+Modes:
+- advance (decode, prefill chunks): the conv and delta-rule states are updated in place.
+- verify (speculative): nothing of the recurrent state is written; each DeltaNet layer keeps its
+  block inputs (the raw q|k|v rows behind a copy of the conv state, the recurrence inputs) and a
+  copy of the delta-rule state it read. `commit(n)` (rollback) then replays the first n tokens of
+  the recurrence from that copy and rebuilds the conv state from the kept rows, for all layers in
+  two launches: exact, because it runs the same recurrence on the same inputs, and repeatable (a
+  later `commit` of a shorter prefix of the same block starts from the same copy). KV rows past the
+  kept prefix stay in the cache, unread (attention is causal) and overwritten later.
+
+Every row is computed the same way whatever T is (kernels/mma_matmul.cu "batch invariance"; the
+attention split and the recurrence depend on a row's position only), so verify rows are
+bit-identical to decode steps and greedy speculative output is token for token the greedy output.
+
+The state arrays (`Qwen35State`) are used in place: the engine reads pointers to them from its state
+table, written when a different state (or a state whose arrays were replaced) is bound.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Collection, Sequence
+
+import numpy as np
+
+from kernels.fused_gpu import (MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, TC_TYPES, ActBuffer, FusedGpu, MmWorkspace,
+                               Op, TcWeight)
+
+__all__ = ["Qwen35GpuStep", "GpuVerifyRecord", "step_supported"]
+
+
+def step_supported(model: Any) -> bool:
+    """True when `model`'s backend can run the fused step and all its matrices are tensor-core weights."""
+    b = model.backend
+    if not getattr(b, "supports_fused_step", False):
+        return False
+    mats = [model.output]
+    for layer in model.layers:
+        mats += [layer.ffn_gate, layer.ffn_up, layer.ffn_down]
+        mats += [w for w in vars(layer.mixer).values() if hasattr(w, "n_out")]
+    return all(isinstance(w, TcWeight) for w in mats)
+
+
+@dataclass
+class GpuVerifyRecord:
+    """What `Qwen35GpuStep.verify` leaves for `rollback`: the block's start and length, and the
+    engine generation its buffers belong to (the next verify reuses them)."""
+
+    n_past0: int
+    n_tokens: int
+    generation: int
+    state_id: int
+
+
+class _StateError(ValueError):
+    pass
+
+
+class Qwen35GpuStep:
+    def __init__(self, model: Any):
+        self.model = model
+        hp = model.hparams
+        self.hp = hp
+        b = model.backend
+        self.b = b
+        self.fg = FusedGpu(b)
+        xp = self.xp = b.xp
+        f32 = xp.float32
+        d = hp.n_embd
+        self.d = d
+        self.attn_layers = hp.attention_layers
+        self.dn_layers = hp.deltanet_layers
+        self.H, self.Hkv, self.D = hp.n_head, hp.n_head_kv, hp.head_dim
+        self.nk, self.nv, self.dk, self.dv = hp.ssm_n_k_heads, hp.ssm_n_v_heads, hp.d_k, hp.d_v
+        self.C = hp.conv_channels
+        self.R = self.C + 2 * self.nv
+        self.Kc = hp.conv_kernel
+        self.V = model.n_vocab
+
+        self.act_d = ActBuffer(xp, d)
+        self.act_ff = ActBuffer(xp, hp.n_ff)
+        self.act_attn = ActBuffer(xp, self.H * self.D) if self.attn_layers else None
+        self.act_dn = ActBuffer(xp, hp.ssm_inner) if self.dn_layers else None
+        self.x = xp.zeros((MAX_T, d), dtype=f32)
+        if self.dn_layers:
+            self.qkv = xp.zeros((MAX_T, self.C), dtype=f32)
+            self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
+            self.ab = xp.zeros((MAX_T, 2 * self.nv), dtype=f32)
+            self.rec = xp.zeros((MAX_T, self.R), dtype=f32)
+            self.o = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
+            # verify records, per DeltaNet layer
+            self.rec_qkv = {il: xp.zeros((self.Kc - 1 + MAX_T, self.C), dtype=f32) for il in self.dn_layers}
+            self.rec_in = {il: xp.zeros((MAX_T, self.R), dtype=f32) for il in self.dn_layers}
+            self.bak = {il: xp.zeros((self.nv, self.dk, self.dv), dtype=f32) for il in self.dn_layers}
+        if self.attn_layers:
+            from kernels.fused_gpu import ATT_SPLITS
+            self.qg = xp.zeros((MAX_T, 2 * self.H * self.D), dtype=f32)
+            self.kb = xp.zeros((MAX_T, self.Hkv * self.D), dtype=f32)
+            self.vb = xp.zeros((MAX_T, self.Hkv * self.D), dtype=f32)
+            self.qrot = xp.zeros((MAX_T, self.H, self.D), dtype=f32)
+            self.part_o = xp.zeros((MAX_T, self.H, ATT_SPLITS, self.D), dtype=f32)
+            self.part_ml = xp.zeros((MAX_T, self.H, ATT_SPLITS, 2), dtype=f32)
+        self.logits = xp.zeros((MAX_T, self.V), dtype=f32)
+        self.ids_out = xp.zeros(MAX_T, dtype=xp.int32)
+        # params block: [0] n_past, [1] n_keep (commit), [2:2+T] token ids
+        self.params = xp.zeros(2 + MAX_T, dtype=xp.int32)
+        self._params_host = np.zeros(2 + MAX_T, dtype=np.int32)
+
+        # state table layout
+        slots, off = {}, 0
+        for il in self.attn_layers:
+            slots[("kv", il)] = off
+            off += 3
+        for il in self.dn_layers:
+            slots[("conv", il)] = off
+            off += 1
+            slots[("adv", il)] = off
+            off += 4
+            slots[("ver", il)] = off
+            off += 4
+        slots["commit_recur"] = off
+        off += 4 * len(self.dn_layers)
+        slots["commit_conv"] = off
+        off += 2 * len(self.dn_layers)
+        self._slots = slots
+        self.table = xp.zeros(max(1, off), dtype=xp.uint64)
+        self._table_host = np.zeros(max(1, off), dtype=np.uint64)
+        self._bound: tuple | None = None
+
+        # split-K workspace: the largest need of any launch
+        need_f, need_c = 0, 0
+        for weights, mode in self._all_launch_weights():
+            f, c = self.fg.workspace_need(weights, mode)
+            need_f, need_c = max(need_f, f), max(need_c, c)
+        self.ws = MmWorkspace(xp, need_f, need_c)
+
+        self._plans: dict[tuple, tuple[list[Op], Any]] = {}
+        self._captures: dict[tuple, list[Any]] = {}
+        self._commit_plan: tuple[list[Op], Any] | None = None
+        self.generation = 0
+        self._last_record: GpuVerifyRecord | None = None
+        self.graphs = bool(getattr(b, "supports_graphs", False))
+
+    # -- launch groups --------------------------------------------------------------------------
+    @staticmethod
+    def _group(segs: Sequence[tuple]) -> list[list[tuple]]:
+        """Segments of one projection grouped by weight type (one launch per type), in order."""
+        groups: dict[int, list[tuple]] = {}
+        for s in segs:
+            groups.setdefault(s[0].qtype, []).append(s)
+        return list(groups.values())
+
+    def _all_launch_weights(self):
+        m = self.model
+        for il, layer in enumerate(m.layers):
+            mx = layer.mixer
+            if hasattr(mx, "w_qkv"):
+                for g in self._group([(mx.w_qkv,), (mx.w_gate,), (mx.w_alpha,), (mx.w_beta,)]):
+                    yield [s[0] for s in g], MODE_STORE
+                yield [mx.w_out], MODE_ADD
+            else:
+                for g in self._group([(mx.wq,), (mx.wk,), (mx.wv,)]):
+                    yield [s[0] for s in g], MODE_STORE
+                yield [mx.wo], MODE_ADD
+            yield [layer.ffn_gate, layer.ffn_up], MODE_SWIGLU
+            yield [layer.ffn_down], MODE_ADD
+        yield [m.output], MODE_STORE
+
+    # -- state binding --------------------------------------------------------------------------
+    def _bind(self, state: Any) -> None:
+        ptr = self.fg.ptr
+        key = (id(state),) + tuple(ptr(state.k_cache[il]) for il in self.attn_layers) + \
+            tuple(ptr(state.conv[il]) for il in self.dn_layers) + tuple(ptr(state.ssm[il]) for il in self.dn_layers)
+        if key == self._bound:
+            return
+        t = self._table_host
+        s = self._slots
+        for il in self.attn_layers:
+            o = s[("kv", il)]
+            t[o], t[o + 1], t[o + 2] = ptr(state.k_cache[il]), ptr(state.v_cache[il]), state.max_ctx
+        for z, il in enumerate(self.dn_layers):
+            t[s[("conv", il)]] = ptr(state.conv[il])
+            o = s[("adv", il)]
+            t[o:o + 4] = (ptr(self.rec), ptr(state.ssm[il]), ptr(state.ssm[il]), 0)
+            o = s[("ver", il)]
+            t[o:o + 4] = (ptr(self.rec_in[il]), ptr(state.ssm[il]), 0, ptr(self.bak[il]))
+            o = s["commit_recur"] + 4 * z
+            t[o:o + 4] = (ptr(self.rec_in[il]), ptr(self.bak[il]), ptr(state.ssm[il]), 0)
+            o = s["commit_conv"] + 2 * z
+            t[o:o + 2] = (ptr(self.rec_qkv[il]), ptr(state.conv[il]))
+        self._upload(self.table, t)
+        self._bound = key
+
+    def _upload(self, dst, host: np.ndarray) -> None:
+        if self.xp is np:
+            dst[...] = host
+        else:
+            dst.set(host)
+
+    # -- plans ----------------------------------------------------------------------------------
+    def _plan(self, T: int, mode: str, logits: str, capture: tuple[int, ...]) -> list[Op]:
+        m, hp, fg, xp = self.model, self.hp, self.fg, self.xp
+        eps, d = hp.rms_eps, self.d
+        ops: list[Any] = []
+        tbl = self.table
+        ws = self.ws
+        ops.append(fg.op_embed("embed", m.token_embd, self.params[2:], self.x, T))
+        verify = mode == "verify"
+        for il, layer in enumerate(m.layers):
+            mx = layer.mixer
+            p = f"blk.{il}."
+            ops.append(fg.op_prep_rows(p + "attn_norm", self.x, d, 0, layer.attn_norm, eps, d, True, self.act_d, T))
+            if hasattr(mx, "w_qkv"):
+                qkv_out = self.rec_qkv[il][self.Kc - 1:] if verify else self.qkv
+                segs = [(mx.w_qkv, qkv_out, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
+                        (mx.w_alpha, self.ab, 0, 2 * self.nv), (mx.w_beta, self.ab, self.nv, 2 * self.nv)]
+                for g in self._group(segs):
+                    ops.append(fg.op_mm(p + "mm qkv|z|a|b " + g[0][0].type_name, g, self.act_d, T, MODE_STORE, ws))
+                rec = self.rec_in[il] if verify else self.rec
+                ops.append(fg.op_gdn_conv(p + "gdn_conv", qkv_out, self.C, tbl, self._slots[("conv", il)], mx.conv,
+                                          self.ab, mx.dt_bias, mx.ssm_a, rec, T, self.nk, self.nv, self.dk, self.dv,
+                                          self.Kc, eps, write_state=not verify,
+                                          state_save=self.rec_qkv[il] if verify else None))
+                slot = self._slots[("ver", il) if verify else ("adv", il)]
+                ops.append(fg.op_gdn_recur(p + "gdn_recur", tbl[slot:], 1, T, None, self.o, self.nk, self.nv, self.dk,
+                                           self.dv))
+                ops.append(fg.op_gdn_out_prep(p + "gdn_out_prep", self.o, self.z, hp.ssm_inner, mx.ssm_norm, eps,
+                                              self.nv, self.dv, self.act_dn, T))
+                ops.append(fg.op_mm(p + "mm ssm_out " + mx.w_out.type_name, [(mx.w_out, self.x, 0, d)], self.act_dn,
+                                    T, MODE_ADD, ws))
+            else:
+                H, Hkv, D = self.H, self.Hkv, self.D
+                segs = [(mx.wq, self.qg, 0, 2 * H * D), (mx.wk, self.kb, 0, Hkv * D), (mx.wv, self.vb, 0, Hkv * D)]
+                for g in self._group(segs):
+                    ops.append(fg.op_mm(p + "mm q|k|v " + g[0][0].type_name, g, self.act_d, T, MODE_STORE, ws))
+                slot = self._slots[("kv", il)]
+                ops.append(fg.op_attn_qk_rope_kv(p + "attn_qk_rope_kv", self.qg, self.kb, self.vb, mx.q_norm,
+                                                 mx.k_norm, eps, self.params, tbl, slot, self.qrot, H, Hkv, D,
+                                                 hp.n_rot, hp.rope_theta, T))
+                ops.append(fg.op_attn_partial(p + "attn_partial", self.qrot, self.params, tbl, slot, self.part_o,
+                                              self.part_ml, H, Hkv, D, 1.0 / math.sqrt(D), T))
+                ops.append(fg.op_attn_combine_prep(p + "attn_combine_prep", self.part_o, self.part_ml, self.qg, H, D,
+                                                   self.act_attn, T))
+                ops.append(fg.op_mm(p + "mm attn_output " + mx.wo.type_name, [(mx.wo, self.x, 0, d)], self.act_attn,
+                                    T, MODE_ADD, ws))
+            ops.append(fg.op_prep_rows(p + "post_norm", self.x, d, 0, layer.post_norm, eps, d, True, self.act_d, T))
+            ops.append(fg.op_mm(p + "mm ffn_gate|up " + layer.ffn_gate.type_name,
+                                [(layer.ffn_gate, None, 0, 0), (layer.ffn_up, None, 0, 0)], self.act_d, T, MODE_SWIGLU,
+                                ws, out_act=self.act_ff))
+            ops.append(fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, self.x, 0, d)],
+                                self.act_ff, T, MODE_ADD, ws))
+            if il in capture:
+                buf = self._capture_buffer(capture, il)
+                ops.append(_CopyOp(p + "capture", xp, buf[:T], self.x[:T]))
+        if logits != "none":
+            n_rows = 1 if logits == "last" else T
+            row0 = T - 1 if logits == "last" else 0
+            ops.append(fg.op_prep_rows("output_norm", self.x, d, row0, m.output_norm, eps, d, True, self.act_d, n_rows))
+            ops.append(fg.op_mm("mm output " + m.output.type_name, [(m.output, self.logits, 0, self.V)], self.act_d,
+                                n_rows, MODE_STORE, ws))
+            ops.append(fg.op_argmax("argmax", self.logits, self.V, self.V, self.ids_out, n_rows))
+        return ops
+
+    def _capture_buffer(self, capture: tuple[int, ...], il: int):
+        bufs = self._captures.get(capture)
+        if bufs is None:
+            bufs = self._captures[capture] = {i: self.xp.zeros((MAX_T, self.d), dtype=self.xp.float32) for i in capture}
+        return bufs[il]
+
+    def _commit_ops(self) -> list[Op]:
+        fg, n = self.fg, len(self.dn_layers)
+        if n == 0:
+            return []
+        return [fg.op_gdn_commit_conv("commit conv", self.table[self._slots["commit_conv"]:], n, self.params, self.C,
+                                      self.Kc),
+                fg.op_gdn_recur("commit recur", self.table[self._slots["commit_recur"]:], n, 0, self.params[1:], None,
+                                self.nk, self.nv, self.dk, self.dv)]
+
+    def _runner(self, key: tuple, build) -> Any:
+        """The callable for a plan: a captured CUDA graph (GPU), or the launch list run in order."""
+        entry = self._plans.get(key)
+        if entry is None:
+            ops = build()
+            graph = self.b.capture_graph(ops) if self.graphs else None
+            entry = self._plans[key] = (ops, graph)
+        return entry
+
+    def ops_for(self, T: int, mode: str = "advance", logits: str = "last", capture: Collection[int] = ()) -> list[Op]:
+        """The launch list of a step (benchmarks time each launch of it)."""
+        cap = tuple(sorted(int(i) for i in capture))
+        return self._runner((T, mode, logits, cap), lambda: self._plan(T, mode, logits, cap))[0]
+
+    def _launch(self, key: tuple, build) -> None:
+        ops, graph = self._runner(key, build)
+        if graph is not None:
+            self.b.launch_graph(graph)
+        else:
+            for op in ops:
+                op()
+
+    # -- running --------------------------------------------------------------------------------
+    def step(self, ids: Sequence[int], state: Any, mode: str = "advance", logits: str = "last",
+             capture: Collection[int] = ()) -> tuple[Any, dict[int, np.ndarray]]:
+        """One step of T = len(ids) <= 32 tokens at positions state.n_past... Returns (out, captured):
+        out = host logits [1 | T, V] ("last" / "all"), int64 ids [1 | T] ("argmax_last" / "argmax"), or
+        None ("none"); captured = {il: float32 [T, n_embd]}."""
+        T = len(ids)
+        if not 1 <= T <= MAX_T:
+            raise ValueError(f"a GPU step takes 1..{MAX_T} tokens, got {T}")
+        cap = tuple(sorted(int(i) for i in capture))
+        plan_logits = {"last": "last", "all": "all", "none": "none", "argmax": "all", "argmax_last": "last"}[logits]
+        self._bind(state)
+        ph = self._params_host
+        ph[0] = state.n_past
+        ph[1] = 0
+        ph[2:2 + T] = np.asarray(ids, dtype=np.int64)
+        self._upload(self.params, ph)
+        key = (T, mode, plan_logits, cap)
+        self._launch(key, lambda: self._plan(T, mode, plan_logits, cap))
+        state.n_past += T
+        out = None
+        n_rows = 1 if plan_logits == "last" else T
+        if logits in ("argmax", "argmax_last"):
+            out = self._to_host(self.ids_out[:n_rows]).astype(np.int64)
+        elif logits != "none":
+            out = np.array(self._to_host(self.logits[:n_rows]), dtype=np.float32, copy=True)
+        captured = {}
+        if cap:
+            bufs = self._captures[cap]
+            captured = {il: np.array(self._to_host(bufs[il][:T]), dtype=np.float32, copy=True) for il in cap}
+        return out, captured
+
+    def _to_host(self, a) -> np.ndarray:
+        return a if self.xp is np else self.xp.asnumpy(a)
+
+    def verify(self, ids: Sequence[int], state: Any, logits: str = "all", capture: Collection[int] = ()):
+        """A speculative block: logits (or ids) of every row, captured layers, and the record
+        `commit` needs. The recurrent state is left as it was; n_past advances by T."""
+        n0 = state.n_past
+        out, captured = self.step(ids, state, mode="verify", logits=logits, capture=capture)
+        self.generation += 1
+        rec = GpuVerifyRecord(n_past0=n0, n_tokens=len(ids), generation=self.generation, state_id=id(state))
+        self._last_record = rec
+        return out, captured, rec
+
+    def commit(self, state: Any, record: GpuVerifyRecord, n_keep: int) -> None:
+        """Keep the first n_keep tokens of the verified block: exact state after them."""
+        if record.generation != self.generation or record.state_id != id(state):
+            raise _StateError("this verify record is stale: another verify ran since, or it belongs to another state")
+        if not 0 <= n_keep <= record.n_tokens:
+            raise ValueError(f"rollback keeps {n_keep} tokens of a {record.n_tokens}-token block")
+        self._bind(state)
+        ph = self._params_host
+        ph[0] = record.n_past0
+        ph[1] = n_keep
+        self._upload(self.params, ph)
+        self._launch(("commit",), self._commit_ops)
+        state.n_past = record.n_past0 + n_keep
+
+    def synchronize(self) -> None:
+        fn = getattr(self.b, "synchronize", None)
+        if fn is not None:
+            fn()
+
+
+class _CopyOp:
+    """dst[...] = src on the device (captured layers)."""
+
+    def __init__(self, label: str, xp, dst, src):
+        self.label, self.xp, self.dst, self.src = label, xp, dst, src
+        self.weight_bytes = 0
+
+    def __call__(self) -> None:
+        self.xp.copyto(self.dst, self.src)

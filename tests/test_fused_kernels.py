@@ -1,0 +1,362 @@
+"""The GPU step's kernels (kernels/mma_matmul.cu, kernels/fused.cu) against their CPU versions
+(kernels/fused_ref.py), on two devices: the CPU emulator (tests/emu: the same CUDA sources built for
+the CPU, always run) and a real GPU (skipped without one).
+
+What the tests guard:
+- the tensor-core weight layout and fragment map: every type's matmul equals a float64 product
+  of the CPU dequantiser's weights with the f16-rounded activations (exact for Q4_K / Q5_K / F16 up
+  to f32 rounding; Q6_K and Q8_0 round their A operand to f16 once, <= 2^-12 relative);
+- split-K (several thread blocks per row block, the last one adding in split order) and its
+  counters being reset, so a second launch (a graph replay) gives the same bits;
+- batch invariance: a row's result does not depend on how many other rows are in the launch;
+- the epilogues: residual add in place without touching neighbours, the SwiGLU pair writing the
+  next product's f16 rows and block sums;
+- the activation format (permutation, f16 rounding, hi/lo block sums) bit for bit;
+- the DeltaNet conv/gates, recurrence (advance, verify = no state write + backup, commit = replay
+  from the backup), gated norm; the attention's norm + RoPE + cache write, split softmax and gate;
+- on the GPU: the hardware MMA against the shuffle-built one (`-DMMA_PORTABLE`, the HIP path),
+  which checks the fragment layout the kernels assume.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import fused_ref, ggml_quants
+from kernels.fused_gpu import (ATT_SPLITS, MODE_ADD, MODE_STORE, MODE_SWIGLU, ActBuffer, FusedGpu, MmWorkspace)
+from tests.emu import emu_unavailable_reason
+from tests.gpu_helpers import NO_GPU
+
+QT_F16, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K = 1, 8, 12, 13, 14
+# max |got - ref| / max |ref| allowed per type (A rounded to f16 for Q6_K / Q8_0)
+MM_TOL = {QT_F16: 2e-6, QT_Q4_K: 2e-6, QT_Q5_K: 2e-6, QT_Q6_K: 6e-4, QT_Q8_0: 6e-4}
+TYPES = (QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_Q8_0, QT_F16)
+
+
+def _devices():
+    out = [pytest.param("emu", marks=pytest.mark.skipif(emu_unavailable_reason() is not None,
+                                                        reason=f"emulator: {emu_unavailable_reason()}"))]
+    out.append(pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(NO_GPU is not None,
+                                                                                reason=f"no GPU backend: {NO_GPU}")]))
+    return out
+
+
+@pytest.fixture(scope="module", params=_devices())
+def dev(request):
+    if request.param == "emu":
+        from tests.emu import EmuDevice
+        d = EmuDevice()
+    else:
+        from kernels.cuda_backend import CudaBackend
+        d = CudaBackend()
+    return request.param, d, FusedGpu(d)
+
+
+def _h(xp, a):
+    return a if xp is np else xp.asnumpy(a)
+
+
+def _scaled_raw(qtype, n_out, n_in, rng):
+    """Random valid blocks, scaled so outputs stay O(1) (f16 activations must not overflow)."""
+    return ggml_quants.random_raw(qtype, n_out, n_in, rng, scale_range=(2.0 ** -12, 2.0 ** -9))
+
+
+def _act(fg, x, K):
+    xp = fg.xp
+    act = ActBuffer(xp, K)
+    x16, xs = fused_ref.act_layout(x, act.ld16)
+    act.x16[:x.shape[0]] = xp.array(x16)
+    act.xs[:x.shape[0]] = xp.array(xs)
+    return act, fused_ref.act_values(x16, K)
+
+
+def _rel(got, ref) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_mm_every_type_and_width(dev, qtype):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(qtype)
+    # n_in 2048 with few rows: several superblock splits; 520 rows: a partial row block
+    shapes = [(48, 2048), (520, 512)] if name == "emu" else [(48, 2048), (520, 512), (5120, 4096), (1000, 17408)]
+    widths = (1, 8, 9, 23, 32) if name == "emu" else (1, 2, 5, 8, 9, 16, 17, 23, 24, 31, 32)
+    if qtype == QT_Q8_0:
+        shapes.append((40, 96 if name == "emu" else 160))     # columns not a whole superblock
+    for n_out, n_in in shapes:
+        raw = _scaled_raw(qtype, n_out, n_in, rng)
+        w = fg.repack("w", qtype, n_out, n_in, raw)
+        ws = MmWorkspace(xp, *fg.workspace_need([w], MODE_STORE))
+        for T in widths:
+            x = rng.standard_normal((T, n_in)).astype(np.float32)
+            act, xr = _act(fg, x, n_in)
+            y = xp.full((T, n_out), np.nan, dtype=xp.float32)
+            op = fg.op_mm("t", [(w, y, 0, n_out)], act, T, MODE_STORE, ws)
+            op()
+            ref = fused_ref.mm_ref(xr, raw, qtype, n_in)
+            got = _h(xp, y)
+            assert np.isfinite(got).all(), f"{name} type {qtype} {n_out}x{n_in} T={T}: unwritten outputs"
+            err = _rel(got, ref)
+            assert err <= MM_TOL[qtype], f"{name} type {qtype} {n_out}x{n_in} T={T} grid {op.grid}: {err:.3g}"
+            op()                                              # a replay (split-K counters reset)
+            assert np.array_equal(_h(xp, y), got), f"{name}: a second launch differs"
+
+
+@pytest.mark.parametrize("qtype", (QT_Q4_K, QT_Q6_K))
+def test_mm_rows_are_batch_invariant(dev, qtype):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(7)
+    n_out, n_in = (64, 2048) if name == "emu" else (3000, 5120)
+    raw = _scaled_raw(qtype, n_out, n_in, rng)
+    w = fg.repack("w", qtype, n_out, n_in, raw)
+    ws = MmWorkspace(xp, *fg.workspace_need([w], MODE_STORE))
+    x = rng.standard_normal((32, n_in)).astype(np.float32)
+    outs = {}
+    for T in (1, 3, 9, 23, 32):
+        act, _ = _act(fg, x[:T], n_in)
+        y = xp.zeros((T, n_out), dtype=xp.float32)
+        fg.op_mm("t", [(w, y, 0, n_out)], act, T, MODE_STORE, ws)()
+        outs[T] = _h(xp, y)
+    for T, y in outs.items():
+        assert np.array_equal(y, outs[32][:T]), f"{name}: rows of a {T}-row launch differ from the same rows of 32"
+
+
+def test_mm_segments_and_residual_add(dev):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(3)
+    n_in, T = 512, 5
+    raws = [_scaled_raw(QT_Q4_K, n, n_in, rng) for n in (40, 16, 33)]
+    ws_ = [fg.repack(f"w{i}", QT_Q4_K, r.shape[0], n_in, r) for i, r in enumerate(raws)]
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    act, xr = _act(fg, x, n_in)
+    ldy = 100
+    base = rng.standard_normal((T, ldy)).astype(np.float32)
+    y = xp.array(base, copy=True)
+    ws = MmWorkspace(xp, *fg.workspace_need(ws_, MODE_ADD))
+    segs = [(ws_[0], y, 0, ldy), (ws_[1], y, 45, ldy), (ws_[2], y, 61, ldy)]
+    fg.op_mm("t", segs, act, T, MODE_ADD, ws)()
+    exp = base.copy()
+    exp[:, 0:40] += fused_ref.mm_ref(xr, raws[0], QT_Q4_K, n_in)
+    exp[:, 45:61] += fused_ref.mm_ref(xr, raws[1], QT_Q4_K, n_in)
+    exp[:, 61:94] += fused_ref.mm_ref(xr, raws[2], QT_Q4_K, n_in)
+    got = _h(xp, y)
+    assert _rel(got, exp) <= 1e-6
+    untouched = np.r_[40:45, 94:100]
+    assert np.array_equal(got[:, untouched], base[:, untouched]), "ADD wrote outside its segments"
+
+
+@pytest.mark.parametrize("qtype", (QT_Q4_K, QT_Q6_K))
+def test_mm_swiglu_epilogue_writes_next_input(dev, qtype):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(11)
+    cases = [(96, 512, 5), (64, 2048, 20)] if name == "emu" else [(17408, 5120, 23), (768, 256, 1)]
+    for n_ff, n_in, T in cases:
+        rg, ru = _scaled_raw(qtype, n_ff, n_in, rng), _scaled_raw(qtype, n_ff, n_in, rng)
+        wg, wu = fg.repack("g", qtype, n_ff, n_in, rg), fg.repack("u", qtype, n_ff, n_in, ru)
+        x = rng.standard_normal((T, n_in)).astype(np.float32)
+        act, xr = _act(fg, x, n_in)
+        out = ActBuffer(xp, n_ff)
+        ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+        fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, MODE_SWIGLU, ws, out_act=out)()
+        h = fused_ref.swiglu_ref(fused_ref.mm_ref(xr, rg, qtype, n_in), fused_ref.mm_ref(xr, ru, qtype, n_in))
+        got = fused_ref.act_values(_h(xp, out.x16)[:T], n_ff)
+        assert _rel(got, h) <= (2e-3 if qtype == QT_Q6_K else 1e-3)
+        # the block sums are the sums of the rounded values the rows hold
+        _, xs_exp = fused_ref.act_layout(got, out.ld16)
+        hs = lambda a: a.view(np.float16).astype(np.float32)   # noqa: E731
+        assert _rel(hs(_h(xp, out.xs)[:T]), hs(xs_exp)) <= 1e-6
+
+
+def test_prep_rows_layout_and_norm(dev):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(5)
+    for K in (32, 264, 5120):
+        T = 3
+        x = rng.standard_normal((T + 2, K)).astype(np.float32)
+        w = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+        xd, wd = xp.array(x), xp.array(w)
+        act = ActBuffer(xp, K)
+        fg.op_prep_rows("p", xd, K, 2, None, 0.0, K, False, act, T)()      # rows 2..4, no norm: a format
+        e16, exs = fused_ref.act_layout(x[2:])
+        assert np.array_equal(_h(xp, act.x16)[:T, :e16.shape[1]], e16)
+        assert np.array_equal(_h(xp, act.xs)[:T, :exs.shape[1]], exs)
+        fg.op_prep_rows("p", xd, K, 0, wd, 1e-6, K, True, act, T)()
+        got = fused_ref.act_values(_h(xp, act.x16)[:T], K)
+        ref = fused_ref.prep_rows_ref(x[:T], w, 1e-6, True)
+        assert _rel(got, ref) <= 1e-3      # f16 rounding of the normed values
+
+
+def _dn_case(rng, T, nk=2, nv=4, dk=32, dv=32, kc=4):
+    C = 2 * nk * dk + nv * dv
+    return dict(T=T, nk=nk, nv=nv, dk=dk, dv=dv, kc=kc, C=C,
+                qkv=rng.standard_normal((T, C)).astype(np.float32),
+                state=rng.standard_normal((kc - 1, C)).astype(np.float32),
+                conv_w=(rng.standard_normal((C, kc)) / 2).astype(np.float32),
+                ab=rng.standard_normal((T, 2 * nv)).astype(np.float32),
+                dt_bias=rng.standard_normal(nv).astype(np.float32),
+                ssm_a=-np.exp(rng.uniform(-1, 1, nv)).astype(np.float32),
+                S=(rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32))
+
+
+def test_deltanet_conv_recurrence_and_commit(dev):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(2)
+    for dk in (32, 128) if name == "cuda" else (32,):
+        c = _dn_case(rng, 6, dk=dk, dv=dk)
+        T, C, nk, nv, dv, kc = c["T"], c["C"], c["nk"], c["nv"], c["dv"], c["kc"]
+        R = C + 2 * nv
+        rec_ref, state_ref = fused_ref.gdn_conv_ref(c["qkv"], c["state"], c["conv_w"], c["ab"], c["dt_bias"],
+                                                    c["ssm_a"], nk, nv, dk, dv, 1e-6)
+        conv_state = xp.array(c["state"])
+        tbl = xp.array(np.array([fg.ptr(conv_state)], dtype=np.uint64))
+        rec = xp.zeros((T, R), dtype=xp.float32)
+        args = (xp.array(c["qkv"]), C, tbl, 0, xp.array(c["conv_w"]), xp.array(c["ab"]), xp.array(c["dt_bias"]),
+                xp.array(c["ssm_a"]), rec, T, nk, nv, dk, dv, kc, 1e-6)
+        fg.op_gdn_conv("c", *args, write_state=True)()
+        assert _rel(_h(xp, rec), rec_ref) <= 1e-5
+        assert np.array_equal(_h(xp, conv_state), state_ref)
+
+        # recurrence: advance (in place) against the CPU recurrence
+        S_ref = c["S"].copy()
+        o_ref = fused_ref.gdn_recur_ref(rec_ref, S_ref, nk, nv, dk, dv)
+        recd = xp.array(rec_ref)
+        S = xp.array(c["S"])
+        o = xp.zeros((T, nv * dv), dtype=xp.float32)
+        t_adv = xp.array(np.array([fg.ptr(recd), fg.ptr(S), fg.ptr(S), 0], dtype=np.uint64))
+        fg.op_gdn_recur("r", t_adv, 1, T, None, o, nk, nv, dk, dv)()
+        assert _rel(_h(xp, o), o_ref) <= 1e-5
+        assert _rel(_h(xp, S), S_ref) <= 1e-5
+
+        # verify: same outputs, the state untouched, a backup of it written
+        S2 = xp.array(c["S"])
+        bak = xp.zeros_like(S2)
+        o2 = xp.zeros((T, nv * dv), dtype=xp.float32)
+        t_ver = xp.array(np.array([fg.ptr(recd), fg.ptr(S2), 0, fg.ptr(bak)], dtype=np.uint64))
+        fg.op_gdn_recur("v", t_ver, 1, T, None, o2, nk, nv, dk, dv)()
+        assert np.array_equal(_h(xp, o2), _h(xp, o))
+        assert np.array_equal(_h(xp, S2), c["S"]) and np.array_equal(_h(xp, bak), c["S"])
+
+        # commit n tokens from the backup: the state after n advance steps, bit for bit
+        params = xp.array(np.array([0, 0] + [0] * 32, dtype=np.int32))
+        t_com = xp.array(np.array([fg.ptr(recd), fg.ptr(bak), fg.ptr(S2), 0], dtype=np.uint64))
+        for n in (T, 2, 0):
+            params[1] = n
+            fg.op_gdn_recur("m", t_com, 1, 0, params[1:], None, nk, nv, dk, dv)()
+            S3 = xp.array(c["S"])
+            if n:
+                t3 = xp.array(np.array([fg.ptr(recd), fg.ptr(S3), fg.ptr(S3), 0], dtype=np.uint64))
+                fg.op_gdn_recur("a", t3, 1, n, None, xp.zeros((n, nv * dv), dtype=xp.float32), nk, nv, dk, dv)()
+            assert np.array_equal(_h(xp, S2), _h(xp, S3)), f"{name}: commit of {n} tokens differs from {n} steps"
+
+        # conv commit from a verify record [kc-1+T, C]
+        record = xp.zeros((kc - 1 + T, C), dtype=xp.float32)
+        record[kc - 1:] = xp.array(c["qkv"])
+        cs = xp.array(c["state"])
+        tbl2 = xp.array(np.array([fg.ptr(cs)], dtype=np.uint64))
+        fg.op_gdn_conv("c", record[kc - 1:], C, tbl2, 0, *args[4:], write_state=False, state_save=record)()
+        assert np.array_equal(_h(xp, cs), c["state"])
+        tcc = xp.array(np.array([fg.ptr(record), fg.ptr(cs)], dtype=np.uint64))
+        for n in (T, 3):
+            params[1] = n
+            fg.op_gdn_commit_conv("cc", tcc, 1, params, C, kc)()
+            X = np.concatenate([c["state"], c["qkv"]], axis=0)
+            assert np.array_equal(_h(xp, cs), X[n:n + kc - 1])
+
+
+def test_deltanet_gated_norm_prep(dev):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(4)
+    T, nv, dv = 3, 4, 64
+    o = rng.standard_normal((T, nv * dv)).astype(np.float32)
+    z = rng.standard_normal((T, nv * dv)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    act = ActBuffer(xp, nv * dv)
+    fg.op_gdn_out_prep("g", xp.array(o), xp.array(z), nv * dv, xp.array(w), 1e-6, nv, dv, act, T)()
+    got = fused_ref.act_values(_h(xp, act.x16)[:T], nv * dv)
+    assert _rel(got, fused_ref.gdn_out_ref(o, z, w, 1e-6, nv, dv)) <= 1e-3
+
+
+@pytest.mark.parametrize("n_past", (0, 5, 300, 1100))
+def test_attention_kernels(dev, n_past):
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(n_past)
+    if name == "emu" and n_past > 300:
+        pytest.skip("long contexts on the GPU only (emulator time)")
+    T, H, Hkv, D, n_rot, theta, ctx = 4, 4, 2, 64, 16, 1e6, 1200
+    qg = rng.standard_normal((T, 2 * H * D)).astype(np.float32)
+    k = rng.standard_normal((T, Hkv * D)).astype(np.float32)
+    v = rng.standard_normal((T, Hkv * D)).astype(np.float32)
+    qn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    kn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    kc0 = rng.standard_normal((Hkv, ctx, D)).astype(np.float32)
+    vc0 = rng.standard_normal((Hkv, ctx, D)).astype(np.float32)
+    kc_ref, vc_ref = kc0.copy(), vc0.copy()
+    ref = fused_ref.attn_ref(qg, k, v, qn, kn, 1e-6, kc_ref, vc_ref, n_past, H, Hkv, D, n_rot, theta)
+    kc, vc = xp.array(kc0), xp.array(vc0)
+    tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
+    params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
+    qgd = xp.array(qg)
+    qrot = xp.zeros((T, H, D), dtype=xp.float32)
+    part_o = xp.zeros((T, H, ATT_SPLITS, D), dtype=xp.float32)
+    part_ml = xp.zeros((T, H, ATT_SPLITS, 2), dtype=xp.float32)
+    act = ActBuffer(xp, H * D)
+    fg.op_attn_qk_rope_kv("a", qgd, xp.array(k), xp.array(v), xp.array(qn), xp.array(kn), 1e-6, params, tbl,
+                          0, qrot, H, Hkv, D, n_rot, theta, T)()
+    assert _rel(_h(xp, kc), kc_ref) <= 1e-5 and _rel(_h(xp, vc), vc_ref) == 0.0
+    fg.op_attn_partial("p", qrot, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T)()
+    fg.op_attn_combine_prep("c", part_o, part_ml, qgd, H, D, act, T)()
+    got = fused_ref.act_values(_h(xp, act.x16)[:T], H * D)
+    assert _rel(got, ref) <= 1e-3
+
+
+def test_argmax_rows(dev):
+    name, d, fg = dev
+    xp = fg.xp
+    x = np.random.default_rng(0).standard_normal((5, 1000)).astype(np.float32)
+    x[1, 10] = x[1, 900] = 50.0          # tie: lowest index
+    x[2, 7] = np.nan                     # NaN first
+    x[3, :] = 1.0
+    out = xp.zeros(5, dtype=xp.int32)
+    fg.op_argmax("a", xp.array(x), 1000, 1000, out, 5)()
+    assert _h(xp, out).tolist() == np.argmax(x, axis=1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_GPU is not None, reason=f"no GPU backend: {NO_GPU}")
+def test_hardware_mma_matches_shuffle_mma():
+    """The fragment layout tc_common.cuh assumes, checked against the hardware: the same matmul with
+    mma.sync and with the shuffle-built MMA of the HIP path."""
+    from kernels import cuda_backend as cb
+    from kernels.cuda_backend import CudaBackend
+    gpu = CudaBackend()
+    fg = FusedGpu(gpu)
+    xp = fg.xp
+    rng = np.random.default_rng(1)
+    n_out, n_in, T = 256, 1024, 13
+    raw = _scaled_raw(QT_Q4_K, n_out, n_in, rng)
+    w = fg.repack("w", QT_Q4_K, n_out, n_in, raw)
+    ws = MmWorkspace(xp, *fg.workspace_need([w], MODE_STORE))
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    act, xr = _act(fg, x, n_in)
+    y_hw = xp.zeros((T, n_out), dtype=xp.float32)
+    op = fg.op_mm("t", [(w, y_hw, 0, n_out)], act, T, MODE_STORE, ws)
+    op()
+    y_sw = xp.zeros((T, n_out), dtype=xp.float32)
+    defines = ("MM_QT=12", "MM_NT=2", "MM_RT=1", "MM_MODE=0", "MMA_PORTABLE=1")
+    kern = cb._MODULES.get(gpu._cp, "mma_matmul.cu", defines).get_function("mm_tc")
+    args = list(op.args)
+    seg = np.zeros(1, dtype=__import__("kernels.fused_gpu", fromlist=["SEG_DTYPE"]).SEG_DTYPE)
+    seg[0] = (fg.ptr(w.data), fg.ptr(y_sw), n_out, w.n_tiles, n_out, 0)
+    args[0] = xp.array(seg.view(np.uint8))
+    kern(op.grid, op.block, tuple(args))
+    ref = fused_ref.mm_ref(xr, raw, QT_Q4_K, n_in)
+    assert _rel(xp.asnumpy(y_hw), ref) <= 2e-6
+    assert _rel(xp.asnumpy(y_sw), ref) <= 2e-6
