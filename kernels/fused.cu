@@ -54,10 +54,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// vals[0..K) (smem, natural order) -> one act16 row (f16, permuted) and its block sums. K % 8 == 0.
-// Every thread of the block must call it (shuffles).
-__device__ void prep_from_smem(const float* vals, int K, u16* __restrict__ out16, u16* __restrict__ outxs) {
-    const int n_groups = K >> 3;
+// vals[0..count) (smem) = natural columns n0 .. n0+count-1 of one row -> its act16 row (f16,
+// permuted) and the block sums of those columns. n0 % 32 == 0 and count % 8 == 0; a 32-column block
+// must lie inside the range (count % 32 == 0, or the range ends the row). Every thread of the block
+// must call it (shuffles).
+__device__ void prep_cols(const float* vals, int n0, int count, u16* __restrict__ out16, u16* __restrict__ outxs) {
+    const int n_groups = count >> 3;
     const int n_pad = (n_groups + blockDim.x - 1) / blockDim.x * blockDim.x;
     for (int base = 0; base < n_pad; base += blockDim.x) {
         const int u = base + threadIdx.x;
@@ -72,48 +74,55 @@ __device__ void prep_from_smem(const float* vals, int K, u16* __restrict__ out16
                 s += h2f(h1);
                 packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
             }
-            *(uint4*)(out16 + act_pos(8 * u)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            *(uint4*)(out16 + act_pos(n0 + 8 * u)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
         s += shfl_xor(s, 1);
         s += shfl_xor(s, 2);
         if (valid && (u & 3) == 0 && outxs != nullptr) {
             const u16 hi = f2h(s);
             const u16 lo = f2h(s - h2f(hi));
-            outxs[xs_pos(u >> 2)] = hi;
-            outxs[xs_pos(u >> 2) + 2] = lo;
+            outxs[xs_pos((n0 >> 5) + (u >> 2))] = hi;
+            outxs[xs_pos((n0 >> 5) + (u >> 2)) + 2] = lo;
         }
     }
 }
 
+#define PREP_COLS 256       // columns one block of the prep-writing kernels turns into act16
+
 // ---------------------------------------------------------------------------------------------
 // prep_rows: row t of the output comes from x[(row0 + t) * ld_x]. norm = 1: RMSNorm with weight w
 // (w may be null), 0: values as they are. act16 rows have ld16 halves (block sums ld16 / 16).
-// Dynamic smem: K floats.
+// grid (rows, ceil(K / 256)): each block writes 256 columns; with norm, each computes the row's
+// sum of squares itself (the same fixed order in every block).
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
     u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
-    DYN_SMEM(float, sm);
+    __shared__ float vals[PREP_COLS];
     __shared__ float red[33];
     grid_dependency_wait();
-    const int t = blockIdx.x;
+    const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
+    const int count = min(PREP_COLS, K - n0);
     const float* xr = x + (size_t)(row0 + t) * ld_x;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        const float v = xr[i];
-        sm[i] = v;
-        ss += v * v;
-    }
+    float inv = 1.0f;
     if (norm) {
-        ss = block_sum(ss, red);
-        const float inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
+        float ss = 0.0f;
         for (int i = threadIdx.x; i < K; i += blockDim.x) {
-            float v = sm[i] * inv;
-            if (w != nullptr) v = v * w[i];
-            sm[i] = v;
+            const float v = xr[i];
+            ss += v * v;
         }
+        ss = block_sum(ss, red);
+        inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
+    }
+    if ((int)threadIdx.x < count) {
+        float v = xr[n0 + threadIdx.x];
+        if (norm) {
+            v = v * inv;
+            if (w != nullptr) v = v * w[n0 + threadIdx.x];
+        }
+        vals[threadIdx.x] = v;
     }
     __syncthreads();
-    prep_from_smem(sm, K, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+    prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -155,22 +164,37 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     float* state = (float*)tbl[slot];
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         const int ch = ch0 + i;
-        float win[8];                    // the last Kc-1 inputs, oldest first (Kc <= 8)
-        for (int j = 0; j < Kc - 1; ++j) win[j] = state[(size_t)j * C + ch];
+        float win[7], wr[8];             // the last Kc-1 inputs, oldest first; the taps (Kc <= 8)
+#pragma unroll
+        for (int j = 0; j < 7; ++j) win[j] = j < Kc - 1 ? state[(size_t)j * C + ch] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wr[j] = j < Kc ? conv_w[(size_t)ch * Kc + j] : 0.0f;
         if (state_save != nullptr)
-            for (int j = 0; j < Kc - 1; ++j) state_save[(size_t)j * C + ch] = win[j];
-        const float* wr = conv_w + (size_t)ch * Kc;
+#pragma unroll
+            for (int j = 0; j < 7; ++j)
+                if (j < Kc - 1) state_save[(size_t)j * C + ch] = win[j];
         for (int t = 0; t < T; ++t) {
             const float xt = qkv[(size_t)t * ldq + ch];
             float y = win[0] * wr[0];
-            for (int j = 1; j < Kc - 1; ++j) y += win[j] * wr[j];
-            y += xt * wr[Kc - 1];
-            for (int j = 0; j + 1 < Kc - 1; ++j) win[j] = win[j + 1];
-            if (Kc > 1) win[Kc - 2] = xt;
+#pragma unroll
+            for (int j = 1; j < 7; ++j)
+                if (j < Kc - 1) y += win[j] * wr[j];
+#pragma unroll
+            for (int j = 1; j < 8; ++j)
+                if (j == Kc - 1) y += xt * wr[j];
+            if (Kc == 1) y = xt * wr[0];
+#pragma unroll
+            for (int j = 0; j < 6; ++j)
+                if (j + 1 < Kc - 1) win[j] = win[j + 1];
+#pragma unroll
+            for (int j = 0; j < 7; ++j)
+                if (j == Kc - 2) win[j] = xt;
             sm[t * width + i] = y / (1.0f + expf(-y));
         }
         if (write_state)
-            for (int j = 0; j < Kc - 1; ++j) state[(size_t)j * C + ch] = win[j];
+#pragma unroll
+            for (int j = 0; j < 7; ++j)
+                if (j < Kc - 1) state[(size_t)j * C + ch] = win[j];
     }
     __syncthreads();
     for (int t = 0; t < T; ++t) {
@@ -214,10 +238,14 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
 
     float s[RPT];
 #pragma unroll
-    for (int ii = 0; ii < RPT; ++ii) {
+    for (int ii = 0; ii < RPT; ++ii) {                  // all loads first: a store in between could alias
         const int i = i0 + ii;
         s[ii] = (col_ok && i < dk) ? S_in[(size_t)i * dv + col] : 0.0f;
-        if (S_bak != nullptr && col_ok && i < dk) S_bak[(size_t)i * dv + col] = s[ii];
+    }
+    if (S_bak != nullptr && col_ok) {
+#pragma unroll
+        for (int ii = 0; ii < RPT; ++ii)
+            if (i0 + ii < dk) S_bak[(size_t)(i0 + ii) * dv + col] = s[ii];
     }
     for (int t = 0; t < T; ++t) {
         const float* rt = rec + (size_t)t * R;
@@ -281,25 +309,33 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_commit_conv(
 }
 
 // ---------------------------------------------------------------------------------------------
-// gdn_out_prep: y[t, h] = RMSNorm(o[t, h]; w) * silu(z[t, h]) over d_v, then act16. grid T,
-// dynamic smem nv*dv floats.
+// gdn_out_prep: y[t, h] = RMSNorm(o[t, h]; w) * silu(z[t, h]) over d_v, then act16. grid (T,
+// ceil(nv*dv / 256)): a block writes 256 columns, normalising the heads they belong to.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     const float* __restrict__ o, const float* __restrict__ zb, int ldz, const float* __restrict__ w, float eps,
     int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
-    DYN_SMEM(float, sm);
+    __shared__ float vals[PREP_COLS];
+    __shared__ float inv_h[PREP_COLS + 1];
     grid_dependency_wait();
-    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    for (int h = warp; h < nv; h += n_warps) {
-        const float* oh = o + ((size_t)t * nv + h) * dv;
+    const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
+    const int K = nv * dv, count = min(PREP_COLS, K - n0);
+    const int h0 = n0 / dv, h1 = (n0 + count - 1) / dv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const float* ot = o + (size_t)t * K;
+    for (int h = h0 + warp; h <= h1; h += n_warps) {
         float ss = 0.0f;
-        for (int i = lane; i < dv; i += 32) ss += oh[i] * oh[i];
+        for (int i = lane; i < dv; i += 32) ss += ot[h * dv + i] * ot[h * dv + i];
         ss = warp_sum(ss);
-        const float inv = (float)(1.0 / sqrt((double)ss / (double)dv + (double)eps));
-        const float* zh = zb + (size_t)t * ldz + (size_t)h * dv;
-        for (int i = lane; i < dv; i += 32) sm[h * dv + i] = silu_f(zh[i]) * (oh[i] * inv * w[i]);
+        if (lane == 0) inv_h[h - h0] = (float)(1.0 / sqrt((double)ss / (double)dv + (double)eps));
     }
     __syncthreads();
-    prep_from_smem(sm, nv * dv, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+    if ((int)threadIdx.x < count) {
+        const int n = n0 + threadIdx.x, h = n / dv;
+        const float z = zb[(size_t)t * ldz + n];
+        vals[threadIdx.x] = silu_f(z) * (ot[n] * inv_h[h - h0] * w[n % dv]);
+    }
+    __syncthreads();
+    prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -356,11 +392,12 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 
 // ---------------------------------------------------------------------------------------------
 // attn_partial. Row t (position p = params[0] + t) attends to cache rows 0..p. Split s of n_split
-// covers rows [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 64: a
-// function of p only. Inside a split, warp w takes rows w, w+4, ...; online softmax per warp, the
-// warps merged in order. Writes (m, l) and the unnormalised o of the split. grid (n_split, H, T),
-// 128 threads, D <= 256.
+// covers rows [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 16: a
+// function of p only. Inside a split, warp w takes rows 4w.., 4 at a time (independent dot
+// products in flight), then 16 further; online softmax per warp, the warps merged in order. Writes
+// (m, l) and the unnormalised o of the split. grid (n_split, H, T), 128 threads, D <= 256.
 #define ATT_WARPS 4
+#define ATT_KEYS 4
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
     int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
@@ -376,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
     const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
     int chunk = (n_keys + n_split - 1) / n_split;
-    chunk = (chunk + 63) & ~63;
+    chunk = (chunk + ATT_WARPS * ATT_KEYS - 1) / (ATT_WARPS * ATT_KEYS) * (ATT_WARPS * ATT_KEYS);
     const int j0 = s * chunk, j1 = min(j0 + chunk, n_keys);
     const float* qr = q + ((size_t)t * H + h) * D;
     float qv[8], acc[8];
@@ -387,24 +424,41 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
         acc[e] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
-        const float* kr = kc + (size_t)j * D;
-        float dot = 0.0f;
+    for (int jb = j0 + warp * ATT_KEYS; jb < j1; jb += ATT_WARPS * ATT_KEYS) {
+        float dot[ATT_KEYS];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int d = lane + 32 * e;
-            if (d < D) dot += qv[e] * kr[d];
+        for (int u = 0; u < ATT_KEYS; ++u) {
+            dot[u] = 0.0f;
+            if (jb + u < j1) {
+                const float* kr = kc + (size_t)(jb + u) * D;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const int d = lane + 32 * e;
+                    if (d < D) dot[u] += qv[e] * kr[d];
+                }
+            }
         }
-        dot = warp_sum(dot) * scale;
-        const float m_new = fmaxf(m, dot);
+#pragma unroll
+        for (int u = 0; u < ATT_KEYS; ++u) dot[u] = warp_sum(dot[u]) * scale;
+        float m_new = m;
+#pragma unroll
+        for (int u = 0; u < ATT_KEYS; ++u)
+            if (jb + u < j1) m_new = fmaxf(m_new, dot[u]);
         const float corr = expf(m - m_new);
-        const float p = expf(dot - m_new);
-        l = l * corr + p;
-        const float* vr = vc + (size_t)j * D;
+        float p[ATT_KEYS];
+#pragma unroll
+        for (int u = 0; u < ATT_KEYS; ++u) p[u] = jb + u < j1 ? expf(dot[u] - m_new) : 0.0f;
+        l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const int d = lane + 32 * e;
-            if (d < D) acc[e] = acc[e] * corr + p * vr[d];
+            if (d < D) {
+                float a = acc[e] * corr;
+#pragma unroll
+                for (int u = 0; u < ATT_KEYS; ++u)
+                    if (jb + u < j1) a += p[u] * vc[(size_t)(jb + u) * D + d];
+                acc[e] = a;
+            }
         }
         m = m_new;
     }
@@ -416,7 +470,8 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     }
     __syncthreads();
     float M = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, s_m[w]);
+    for (int w = 0; w < ATT_WARPS; ++w)
+        if (s_l[w] > 0.0f) M = fmaxf(M, s_m[w]);
     const size_t slot_i = ((size_t)t * H + h) * n_split + s;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.0f;
@@ -434,15 +489,16 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
 }
 
 // attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
-// values of head h in qg), then act16. grid T, dynamic smem H*D floats.
+// values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ qg, int H,
     int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
-    DYN_SMEM(float, sm);
+    __shared__ float vals[PREP_COLS];
     grid_dependency_wait();
-    const int t = blockIdx.x;
-    for (int idx = threadIdx.x; idx < H * D; idx += blockDim.x) {
-        const int h = idx / D, d = idx % D;
+    const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
+    const int count = min(PREP_COLS, H * D - n0);
+    if ((int)threadIdx.x < count) {
+        const int idx = n0 + threadIdx.x, h = idx / D, d = idx % D;
         const size_t base = ((size_t)t * H + h) * n_split;
         float M = NEG_INF;
         for (int s = 0; s < n_split; ++s)
@@ -458,10 +514,10 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
         }
         o = L > 0.0f ? o / L : 0.0f;
         const float gt = qg[(size_t)t * 2 * H * D + (size_t)h * 2 * D + D + d];
-        sm[idx] = o / (1.0f + expf(-gt));
+        vals[threadIdx.x] = o / (1.0f + expf(-gt));
     }
     __syncthreads();
-    prep_from_smem(sm, H * D, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+    prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -475,16 +531,23 @@ __device__ __forceinline__ bool am_better(float a, int ia, float b, int ib) {
     return ia < ib;
 }
 
-extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(const float* __restrict__ x, int V, int ld,
-                                                                       int* __restrict__ out) {
+// grid (n_chunks, rows): block c scans columns [c*len, (c+1)*len) of its row and leaves its best
+// (value, index); the last block of a row to finish (a counter per row, reset by it) reduces the
+// chunks. The order of (value, index) is total, so the result does not depend on who finishes last.
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(
+    const float* __restrict__ x, int V, int ld, int* __restrict__ out, float* __restrict__ part_v,
+    int* __restrict__ part_i, int* __restrict__ counters) {
     __shared__ float sv[32];
     __shared__ int si[32];
+    __shared__ int s_last;
     grid_dependency_wait();
-    const int t = blockIdx.x;
+    const int c = blockIdx.x, t = blockIdx.y, n_chunks = gridDim.x;
+    const int len = (V + n_chunks - 1) / n_chunks;
+    const int i0 = c * len, i1 = min(V, i0 + len);
     const float* xr = x + (size_t)t * ld;
     float bv = 0.0f;
     int bi = -1;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
         const float v = xr[i];
         if (am_better(v, i, bv, bi)) { bv = v; bi = i; }
     }
@@ -500,6 +563,23 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(const fl
     if (threadIdx.x == 0) {
         for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
             if (am_better(sv[w], si[w], bv, bi)) { bv = sv[w]; bi = si[w]; }
-        out[t] = bi;
+        part_v[(size_t)t * n_chunks + c] = bv;
+        part_i[(size_t)t * n_chunks + c] = bi;
+        __threadfence();
+        s_last = atomicAdd(&counters[t], 1) == n_chunks - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        float v = 0.0f;
+        int idx = -1;
+        for (int k = 0; k < n_chunks; ++k) {
+            const float pv = ldcg_f32(part_v + (size_t)t * n_chunks + k);
+            const int pi = *(volatile const int*)(part_i + (size_t)t * n_chunks + k);
+            if (am_better(pv, pi, v, idx)) { v = pv; idx = pi; }
+        }
+        out[t] = idx;
+        counters[t] = 0;
     }
 }

@@ -34,13 +34,25 @@ SEG_DTYPE = np.dtype([("w", "<u8"), ("y", "<u8"), ("n_rows", "<i4"), ("n_tiles",
                       ("pad", "<i4")])
 GDN_COLS = 32
 GDN_RPT = (2, 8, 16, 32, 64)        # gdn_recur_r*: d_k <= 4 * RPT
-ATT_SPLITS = 8                      # key splits per (row, head) in attn_partial
+ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial
+PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
+ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
 
 def mm_rt(nt: int) -> int:
     """Tiles per warp for NT column tiles: 2 halves the activation traffic of wide batches (more
     registers); the result is the same either way."""
     return 1 if nt <= 2 else 2
+
+
+MM_B_ROW = 264                      # halves per staged activation row (mma_matmul.cu)
+
+
+def mm_smem_bytes(qtype: int, nt: int, rt: int) -> int:
+    """Dynamic shared memory of an mm_tc launch (mma_matmul.cu MmGeom: STAGES x STAGE)."""
+    stage = 4 * rt * UNIT_BYTES[qtype] + nt * 8 * MM_B_ROW * 2 + nt * 8 * 16 * 2
+    stages = 2 if (qtype in (QT_Q8_0, QT_F16) or nt >= 3) else 3
+    return stages * stage
 
 
 def choose_splits(n_tiles: int, n_sb: int, n_sm: int) -> int:
@@ -222,22 +234,22 @@ class FusedGpu:
         if ws.counters.size < gx:
             raise ValueError(f"{label}: counters too few")
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_RT={rt}", f"MM_MODE={mode}"))
+        smem = mm_smem_bytes(qt, nt, rt)
+        self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.xs if out_act is not None else None
         ld_out = out_act.ld16 if out_act is not None else 0
         args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), np.int32(splits), ws.ws,
                 ws.counters, out16, outxs, np.int32(ld_out))
-        return Op(label, kern, (gx, splits), (MM_THREADS,), args, 0, sum(w.nbytes for w in weights), tuple(keep))
+        return Op(label, kern, (gx, splits), (MM_THREADS,), args, smem, sum(w.nbytes for w in weights), tuple(keep))
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,
                      n_rows: int) -> Op:
         kern = self._k("fused.cu", "prep_rows")
-        smem = 4 * K
-        self._smem(kern, smem)
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
                 act.x16, act.xs, np.int32(act.ld16))
-        return Op(label, kern, (n_rows,), (FUSED_THREADS,), args, smem)
+        return Op(label, kern, (n_rows, -(-K // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
         """out[0:T] = rows ids_dev[0:T] of the raw GGUF embedding (kernels.cuda_backend.GpuWeight)."""
@@ -280,10 +292,8 @@ class FusedGpu:
 
     def op_gdn_out_prep(self, label: str, o, z, ldz: int, w, eps: float, nv: int, dv: int, act: ActBuffer, T: int) -> Op:
         kern = self._k("fused.cu", "gdn_out_prep")
-        smem = 4 * nv * dv
-        self._smem(kern, smem)
         args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.xs, np.int32(act.ld16))
-        return Op(label, kern, (T,), (FUSED_THREADS,), args, smem)
+        return Op(label, kern, (T, -(-(nv * dv) // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_attn_qk_rope_kv(self, label: str, qg, k, v, q_norm, k_norm, eps: float, params, tbl, slot: int, qout,
                            H: int, Hkv: int, D: int, n_rot: int, theta: float, T: int) -> Op:
@@ -303,14 +313,18 @@ class FusedGpu:
 
     def op_attn_combine_prep(self, label: str, part_o, part_ml, qg, H: int, D: int, act: ActBuffer, T: int) -> Op:
         kern = self._k("fused.cu", "attn_combine_prep")
-        smem = 4 * H * D
-        self._smem(kern, smem)
         args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(ATT_SPLITS), act.x16, act.xs, np.int32(act.ld16))
-        return Op(label, kern, (T,), (FUSED_THREADS,), args, smem)
+        return Op(label, kern, (T, -(-(H * D) // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_argmax(self, label: str, logits, V: int, ld: int, out_ids, n_rows: int) -> Op:
+        xp = self.xp
         kern = self._k("fused.cu", "argmax_rows")
-        return Op(label, kern, (n_rows,), (FUSED_THREADS,), (logits, np.int32(V), np.int32(ld), out_ids))
+        n_chunks = max(1, min(ARGMAX_CHUNKS, -(-V // 1024)))
+        part_v = xp.zeros((n_rows, n_chunks), dtype=xp.float32)
+        part_i = xp.zeros((n_rows, n_chunks), dtype=xp.int32)
+        counters = xp.zeros(n_rows, dtype=xp.int32)
+        args = (logits, np.int32(V), np.int32(ld), out_ids, part_v, part_i, counters)
+        return Op(label, kern, (n_chunks, n_rows), (FUSED_THREADS,), args, keep=(part_v, part_i, counters))
 
 
 def run_ops(ops: Sequence[Callable[[], None]]) -> None:

@@ -83,10 +83,13 @@ __device__ __forceinline__ u32 sel4(const uint4& v, int i) {
 template <int I> __device__ __forceinline__ u32 comp(const uint4& v) {
     return I == 0 ? v.x : (I == 1 ? v.y : (I == 2 ? v.z : v.w));
 }
-__device__ __forceinline__ u32 comp_rt(const uint4& v, int i) { return sel4(v, i); }
+// Plain loads: the units are read from the shared-memory stage the pipeline filled.
+__device__ __forceinline__ uint4 ld128(const unsigned char* p) { return *(const uint4*)p; }
+__device__ __forceinline__ u32 ld32(const unsigned char* p) { return *(const u32*)p; }
+__device__ __forceinline__ u16 ld16(const unsigned char* p) { return *(const u16*)p; }
 
 // ---------------------------------------------------------------------------------------------
-// Per-type lane state for one unit. Interface:
+// Per-type lane state for one unit (read from its shared-memory copy). Interface:
 //   load(unit, lane)            loads what the whole superblock needs (K-quants: everything)
 //   pair(unit, lane, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants)
 //   frag<S>(a)                  the A fragment of k-step S
@@ -100,8 +103,8 @@ struct UnitQ4K {
     __device__ __forceinline__ void load(const unsigned char* u, int lane) {
         const int g = lane >> 2, c = lane & 3;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ldg128(u + i * 512 + lane * 16);
-        const uint4 r0 = ldg128(u + 2048 + g * 16), r1 = ldg128(u + 2048 + (g + 8) * 16);
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
+        const uint4 r0 = ld128(u + 2048 + g * 16), r1 = ld128(u + 2048 + (g + 8) * 16);
         decode(r0, c, 0);
         decode(r1, c, 1);
     }
@@ -146,9 +149,9 @@ struct UnitQ5K {
     __device__ __forceinline__ void load(const unsigned char* u, int lane) {
         const int g = lane >> 2, c = lane & 3;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ldg128(u + i * 512 + lane * 16);
-        qh = ldg128(u + 2048 + lane * 16);
-        const uint4 r0 = ldg128(u + 2560 + g * 16), r1 = ldg128(u + 2560 + (g + 8) * 16);
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
+        qh = ld128(u + 2048 + lane * 16);
+        const uint4 r0 = ld128(u + 2560 + g * 16), r1 = ld128(u + 2560 + (g + 8) * 16);
         decode(r0, c, 0);
         decode(r1, c, 1);
     }
@@ -194,12 +197,12 @@ struct UnitQ6K {
     __device__ __forceinline__ void load(const unsigned char* u, int lane) {
         const int g = lane >> 2, c = lane & 3;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ldg128(u + i * 512 + lane * 16);
-        qh[0] = ldg128(u + 2048 + lane * 16);
-        qh[1] = ldg128(u + 2560 + lane * 16);
-        const u32 s0 = ldg32(u + 3072 + g * 16 + 4 * c), s1 = ldg32(u + 3072 + (g + 8) * 16 + 4 * c);
-        d[0] = h2f(ldg16(u + 3328 + 2 * g));
-        d[1] = h2f(ldg16(u + 3328 + 2 * (g + 8)));
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
+        qh[0] = ld128(u + 2048 + lane * 16);
+        qh[1] = ld128(u + 2560 + lane * 16);
+        const u32 s0 = ld32(u + 3072 + g * 16 + 4 * c), s1 = ld32(u + 3072 + (g + 8) * 16 + 4 * c);
+        d[0] = h2f(ld16(u + 3328 + 2 * g));
+        d[1] = h2f(ld16(u + 3328 + 2 * (g + 8)));
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const u32 h0 = h2_i8_bcast(s0 >> (8 * k)), h1 = h2_i8_bcast(s1 >> (8 * k));
@@ -237,11 +240,11 @@ struct UnitQ8_0 {
     u32 amin[2];
     __device__ __forceinline__ void load(const unsigned char* u, int lane) {
         const int g = lane >> 2, c = lane & 3;
-        const u32 w0 = ldg32(u + 4096 + (g * 8 + 2 * c) * 2), w1 = ldg32(u + 4096 + ((g + 8) * 8 + 2 * c) * 2);
+        const u32 w0 = ld32(u + 4096 + (g * 8 + 2 * c) * 2), w1 = ld32(u + 4096 + ((g + 8) * 8 + 2 * c) * 2);
         dg[0][0] = __byte_perm(w0, 0u, 0x1010); dg[1][0] = __byte_perm(w0, 0u, 0x3232);
         dg[0][1] = __byte_perm(w1, 0u, 0x1010); dg[1][1] = __byte_perm(w1, 0u, 0x3232);
     }
-    __device__ __forceinline__ void pair(const unsigned char* u, int lane, int p) { qp = ldg128(u + p * 512 + lane * 16); }
+    __device__ __forceinline__ void pair(const unsigned char* u, int lane, int p) { qp = ld128(u + p * 512 + lane * 16); }
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
         constexpr int j = S >> 3;
         const u32 X = ((S & 1) ? qp.z : qp.x) ^ 0x80808080u, Y = ((S & 1) ? qp.w : qp.y) ^ 0x80808080u;
@@ -259,8 +262,8 @@ struct UnitF16 {
     u32 amin[2];
     __device__ __forceinline__ void load(const unsigned char*, int) {}
     __device__ __forceinline__ void pair(const unsigned char* u, int lane, int p) {
-        qs[0] = ldg128(u + (2 * p) * 512 + lane * 16);
-        qs[1] = ldg128(u + (2 * p + 1) * 512 + lane * 16);
+        qs[0] = ld128(u + (2 * p) * 512 + lane * 16);
+        qs[1] = ld128(u + (2 * p + 1) * 512 + lane * 16);
     }
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
         const uint4& v = qs[S & 1];
@@ -277,14 +280,25 @@ template <> struct UnitOf<QT_F16> { typedef UnitF16 T; };
 
 __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z)); }
 
-// One pair of k-steps (2p, 2p+1) for the warp's RT tiles.
+// Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes).
+#define MM_B_ROW 264                       // halves per staged activation row (256 + 8: bank spread)
+template <int QT, int NT, int RT> struct MmGeom {
+    static constexpr int UNIT = UnitBytes<QT>::v;
+    static constexpr int A_BYTES = 4 * RT * UNIT;
+    static constexpr int B_BYTES = NT * 8 * MM_B_ROW * 2;
+    static constexpr int XS_BYTES = NT * 8 * 16 * 2;
+    static constexpr int STAGE = A_BYTES + B_BYTES + XS_BYTES;
+    static constexpr int STAGES = (QT == QT_Q8_0 || QT == QT_F16 || NT >= 3) ? 2 : 3;
+};
+
+// One pair of k-steps (2p, 2p+1) for the warp's RT tiles; activations from the stage.
 template <typename U, int NT, int RT, int P>
 __device__ __forceinline__ void mm_pair(U (&un)[RT], const bool (&ok)[RT], const unsigned char* const (&ub)[RT],
-                                        const u16* const (&xrow)[NT], int lane, float (&tm)[RT][NT][4]) {
-    const int c = lane & 3;
+                                        const u16* sb_x, int lane, float (&tm)[RT][NT][4]) {
+    const int g = lane >> 2, c = lane & 3;
     uint4 bq[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) bq[nt] = ldg128(xrow[nt] + P * 32 + c * 8);
+    for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + (nt * 8 + g) * MM_B_ROW + P * 32 + c * 8);
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         if (!ok[r]) continue;
@@ -305,15 +319,16 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                                            float* __restrict__ ws, int* __restrict__ counters,
                                            u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
     typedef typename UnitOf<QT>::T U;
-    constexpr int UNIT = UnitBytes<QT>::v;
+    typedef MmGeom<QT, NT, RT> G;
+    constexpr int UNIT = G::UNIT;
     constexpr int ROWS = 64 * RT;                // rows (tiles * 16) per thread block
     constexpr int SROW = ROWS + 4;               // padded smem row (bank spread of fragment stores)
-    __shared__ float sres[32 * SROW];
+    DYN_SMEM(unsigned char, smem);               // STAGES stages; the result tile reuses it after
     __shared__ int s_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int split = blockIdx.y;
 
-    // Which segment, and which of its tiles each warp register-tile r works on.
+    // Which segment, and which of its tiles each tile slot q (0 .. 4*RT-1) of the block works on.
     int rb = blockIdx.x, seg = 0;
     if (MODE != MODE_SWIGLU) {
         for (int s = 0; s < n_segs; ++s) {
@@ -322,11 +337,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             rb -= n_rb;
         }
     }
-    const unsigned char* ub[RT];
+    const unsigned char* ub[RT];     // this warp's tiles in global memory
     bool ok[RT];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-        const int q = warp * RT + r;             // tile slot in the block, smem rows q*16..
+        const int q = warp * RT + r;
         int s = seg, tile;
         if (MODE == MODE_SWIGLU) {
             s = q < 2 * RT ? 0 : 1;
@@ -340,6 +355,41 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int sb0 = (int)((long long)split * n_sb / splits), sb1 = (int)((long long)(split + 1) * n_sb / splits);
     const int ld_x = n_sb * 256, ld_xs = n_sb * 16;
 
+    // Stage k holds, for superblock sb: the block's 4*RT units, then NT*8 activation rows of 256
+    // halves (row stride MM_B_ROW), then their block sums. Every thread copies 16-byte chunks.
+    auto issue = [&](int k, int sb) {
+        if (sb < sb1) {
+            unsigned char* st = smem + k * G::STAGE;
+            constexpr int A_CHUNKS = UNIT / 16;
+            for (int i = tid; i < 4 * RT * A_CHUNKS; i += MM_THREADS) {
+                const int q = i / A_CHUNKS, j = i % A_CHUNKS;
+                int s = seg, tile;
+                if (MODE == MODE_SWIGLU) {
+                    s = q < 2 * RT ? 0 : 1;
+                    tile = rb * 2 * RT + (q < 2 * RT ? q : q - 2 * RT);
+                } else {
+                    tile = rb * 4 * RT + q;
+                }
+                if (tile < segs[s].n_tiles)
+                    cp_async16(st + q * UNIT + j * 16,
+                               (const unsigned char*)segs[s].w + ((size_t)tile * n_sb + sb) * UNIT + j * 16);
+            }
+            u16* sx = (u16*)(st + G::A_BYTES);
+            for (int i = tid; i < NT * 8 * 32; i += MM_THREADS) {
+                const int row = i >> 5, j = i & 31;
+                cp_async16(sx + row * MM_B_ROW + j * 8, x16 + (size_t)row * ld_x + (size_t)sb * 256 + j * 8);
+            }
+            if (U::HAS_MIN) {
+                u16* sxs = (u16*)(st + G::A_BYTES + G::B_BYTES);
+                for (int i = tid; i < NT * 8 * 2; i += MM_THREADS) {
+                    const int row = i >> 1, j = i & 1;
+                    cp_async16(sxs + row * 16 + j * 8, xs + (size_t)row * ld_xs + (size_t)sb * 16 + j * 8);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+
     grid_dependency_wait();                      // activations come from the previous kernel
 
     float acc[RT][NT][4];
@@ -350,17 +400,23 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.0f;
 
+#pragma unroll
+    for (int k = 0; k < G::STAGES - 1; ++k) issue(k, sb0 + k);
+
     for (int sb = sb0; sb < sb1; ++sb) {
+        const int k = (sb - sb0) % G::STAGES;
+        cp_async_wait<G::STAGES - 2>();          // this superblock's copies (mine) have landed
+        __syncthreads();                         // ... everyone's; and the stage refilled below is free
+        issue((sb - sb0 + G::STAGES - 1) % G::STAGES, sb + G::STAGES - 1);
+        const unsigned char* st = smem + k * G::STAGE;
         U un[RT];
         const unsigned char* us[RT];
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-            us[r] = ub[r] + (size_t)sb * UNIT;
+            us[r] = st + (warp * RT + r) * UNIT;
             if (ok[r]) un[r].load(us[r], lane);
         }
-        const u16* xrow[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) xrow[nt] = x16 + (size_t)(nt * 8 + g) * ld_x + (size_t)sb * 256;
+        const u16* sb_x = (const u16*)(st + G::A_BYTES);
         float tm[RT][NT][4];
 #pragma unroll
         for (int r = 0; r < RT; ++r)
@@ -368,20 +424,20 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tm[r][nt][i] = 0.0f;
-        mm_pair<U, NT, RT, 0>(un, ok, us, xrow, lane, tm);
-        mm_pair<U, NT, RT, 1>(un, ok, us, xrow, lane, tm);
-        mm_pair<U, NT, RT, 2>(un, ok, us, xrow, lane, tm);
-        mm_pair<U, NT, RT, 3>(un, ok, us, xrow, lane, tm);
-        mm_pair<U, NT, RT, 4>(un, ok, us, xrow, lane, tm);
-        mm_pair<U, NT, RT, 5>(un, ok, us, xrow, lane, tm);
-        mm_pair<U, NT, RT, 6>(un, ok, us, xrow, lane, tm);
-        mm_pair<U, NT, RT, 7>(un, ok, us, xrow, lane, tm);
+        mm_pair<U, NT, RT, 0>(un, ok, us, sb_x, lane, tm);
+        mm_pair<U, NT, RT, 1>(un, ok, us, sb_x, lane, tm);
+        mm_pair<U, NT, RT, 2>(un, ok, us, sb_x, lane, tm);
+        mm_pair<U, NT, RT, 3>(un, ok, us, sb_x, lane, tm);
+        mm_pair<U, NT, RT, 4>(un, ok, us, sb_x, lane, tm);
+        mm_pair<U, NT, RT, 5>(un, ok, us, sb_x, lane, tm);
+        mm_pair<U, NT, RT, 6>(un, ok, us, sb_x, lane, tm);
+        mm_pair<U, NT, RT, 7>(un, ok, us, sb_x, lane, tm);
 
         if (U::HAS_MIN) {
+            const u16* sxs = (const u16*)(st + G::A_BYTES + G::B_BYTES);
             uint2 bm[NT];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                bm[nt] = *(const uint2*)(xs + (size_t)(nt * 8 + g) * ld_xs + (size_t)sb * 16 + c * 4);
+            for (int nt = 0; nt < NT; ++nt) bm[nt] = *(const uint2*)(sxs + (nt * 8 + g) * 16 + c * 4);
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
                 if (!ok[r]) continue;
@@ -399,18 +455,23 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             }
         } else {
 #pragma unroll
-            for (int r = 0; r < RT; ++r)
+            for (int r = 0; r < RT; ++r) {
+                if (!ok[r]) continue;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int i = 0; i < 4; ++i)
                         acc[r][nt][i] = U::SCALED ? fmaf(un[r].d[i >> 1], tm[r][nt][i], acc[r][nt][i])
                                                   : acc[r][nt][i] + tm[r][nt][i];
+            }
         }
     }
+    cp_async_wait<0>();
+    __syncthreads();                             // the stages are free: the result tile takes them
+    float* sres = (float*)smem;
     trigger_dependents();
 
-    // Fragments -> smem [tok][row].
+    // Fragments -> smem [tok][row] (aliasing the pipeline's stages).
 #pragma unroll
     for (int r = 0; r < RT; ++r)
 #pragma unroll

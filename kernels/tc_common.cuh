@@ -109,6 +109,30 @@ __device__ __forceinline__ float ldcg_f32(const float* p) { return __builtin_non
 #define TC_HAVE_PRIMITIVES 1
 #endif
 
+// Asynchronous 16-byte copies global -> shared (sm_80 cp.async, bypassing L1 and registers), in
+// commit groups; `cp_async_wait<N>` waits until at most N groups are still in flight. Elsewhere
+// (HIP, the emulator) plain copies, so the waits have nothing to wait for.
+#if !defined(DFLASH_EMU)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#else
+    *(uint4*)smem = *(const uint4*)gmem;
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+#endif
+
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
 // attribute may start while its predecessor drains; it must call grid_dependency_wait() before
 // reading anything the predecessor writes. Everything before the wait may only read data no kernel

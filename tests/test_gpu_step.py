@@ -124,8 +124,19 @@ def test_greedy_tokens_match_cpu(models):
     for _ in range(n):
         ref.append(tok_c)
         got.append(tok_d)
-        tok_c = int(np.argmax(cpu.forward([tok_c], sc)[-1]))
-        tok_d = int(dev.forward([tok_d], sd, logits="argmax_last")[0])
+        if tok_c != tok_d:
+            break
+        row_c = cpu.forward([tok_c], sc)[-1]
+        tok_c = int(np.argmax(row_c))
+        row_d = dev.forward([tok_d], sd, logits="last")[-1]
+        tok_d = int(np.argmax(row_d))
+        if tok_c != tok_d:
+            # f16 inputs move logits by ~1e-3 relative: a flip is only acceptable at a near tie
+            top2 = np.sort(row_c)[-2:]
+            gap, diff = float(top2[1] - top2[0]), float(np.abs(row_d - row_c).max())
+            assert gap <= 2.0 * diff, (f"{name} {kind}: step {len(got)}: {tok_d} vs CPU {tok_c} with a CPU top-2 gap "
+                                       f"{gap:.3g} > twice the logit difference {diff:.3g}")
+            return
     assert got == ref
 
 

@@ -146,6 +146,9 @@ inline unsigned int ldg32(const void* p) { unsigned int v; std::memcpy(&v, p, 4)
 inline unsigned short ldg16(const void* p) { unsigned short v; std::memcpy(&v, p, 2); return v; }
 inline float ldcg_f32(const float* p) { return *(volatile const float*)p; }
 inline void grid_dependency_wait() {}
+inline void cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
 inline void trigger_dependents() {}
 
 // The m16n8k16 MMA from the documented fragment layout (tc_common.cuh), sums in double.
