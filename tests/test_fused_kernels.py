@@ -358,7 +358,8 @@ def test_hardware_mma_matches_shuffle_mma():
     seg = np.zeros(1, dtype=__import__("kernels.fused_gpu", fromlist=["SEG_DTYPE"]).SEG_DTYPE)
     seg[0] = (fg.ptr(w.data), fg.ptr(y_sw), n_out, w.n_tiles, n_out, 0)
     args[0] = xp.array(seg.view(np.uint8))
-    kern(op.grid, op.block, tuple(args))
+    fg._smem(kern, op.smem)
+    kern(op.grid, op.block, tuple(args), shared_mem=op.smem)
     ref = fused_ref.mm_ref(xr, raw, QT_Q4_K, n_in)
     assert _rel(xp.asnumpy(y_hw), ref) <= 2e-6
     assert _rel(xp.asnumpy(y_sw), ref) <= 2e-6
