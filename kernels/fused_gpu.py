@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = ["FusedGpu", "TcWeight", "ActBuffer", "Op", "MmWorkspace", "TC_TYPES", "MAX_T", "UNIT_BYTES",
-           "MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "mm_rt", "choose_splits", "TC_TYPE_NAMES"]
+           "MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "mm_grid_blocks", "mm_smem_bytes", "TC_TYPE_NAMES"]
 
 MAX_T = 32                          # activation rows one launch handles (4 MMA column tiles)
 QT_F16, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K = 1, 8, 12, 13, 14
@@ -39,31 +39,22 @@ PREP_COLS = 256                     # columns per block of the act16-writing ker
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
 
-def mm_rt(nt: int) -> int:
-    """Tiles per warp for NT column tiles: 2 halves the activation traffic of wide batches (more
-    registers); the result is the same either way."""
-    return 1 if nt <= 2 else 2
-
-
 MM_B_ROW = 264                      # halves per staged activation row (mma_matmul.cu)
+MM_SMEM_TARGET = 110 * 1024         # stages per thread block: two blocks per multiprocessor
 
 
-def mm_smem_bytes(qtype: int, nt: int, rt: int) -> int:
+def mm_smem_bytes(qtype: int, nt: int, stages: int | None = None) -> int:
     """Dynamic shared memory of an mm_tc launch (mma_matmul.cu MmGeom: STAGES x STAGE)."""
-    stage = 4 * rt * UNIT_BYTES[qtype] + nt * 8 * MM_B_ROW * 2 + nt * 8 * 16 * 2
-    stages = 2 if (qtype in (QT_Q8_0, QT_F16) or nt >= 3) else 3
+    stage = 4 * UNIT_BYTES[qtype] + nt * 8 * MM_B_ROW * 2 + nt * 8 * 16 * 2
+    if stages is None:
+        stages = max(2, min(8, MM_SMEM_TARGET // stage))
     return stages * stage
 
 
-def choose_splits(n_tiles: int, n_sb: int, n_sm: int) -> int:
-    """Superblock splits (grid.y) of a launch: enough thread blocks to fill the device (about 4 per
-    multiprocessor at one tile per warp), at least 2 superblocks per split. A function of the
-    matrix only, never of the batch width, so that rows are batch-invariant."""
-    n_rb = -(-n_tiles // 4)
-    target = 4 * n_sm
-    if n_rb >= target or n_sb < 4:
-        return 1
-    return max(1, min(n_sb // 2, round(target / n_rb)))
+def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int) -> int:
+    """Thread blocks of an mm_tc launch: about two per multiprocessor, at least 4 superblocks of
+    work each. A function of the matrix only, never of the batch width (rows stay batch-invariant)."""
+    return max(1, min(2 * n_sm, (n_rb * n_sb) // 4))
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,30 +170,22 @@ class FusedGpu:
         return TcWeight(str(name), qtype, int(n_out), int(n_in), n_sb, n_tiles, n_out * row_bytes, out)
 
     # -- matmul ---------------------------------------------------------------------------------
-    def mm_grid(self, weights: Sequence[TcWeight], mode: int, T: int) -> tuple[int, int, int]:
-        """(grid.x, splits, RT) of a launch over `weights`."""
-        nt = -(-T // 8)
-        rt = mm_rt(nt)
+    def mm_grid(self, weights: Sequence[TcWeight], mode: int) -> tuple[int, int]:
+        """(thread blocks, row blocks) of a launch over `weights`."""
         if mode == MODE_SWIGLU:
-            gx = -(-weights[0].n_tiles // (2 * rt))
-            splits = choose_splits(2 * weights[0].n_tiles, weights[0].n_sb, self.n_sm)
+            n_rb = -(-weights[0].n_tiles // 2)
         else:
-            gx = sum(-(-w.n_tiles // (4 * rt)) for w in weights)
-            splits = choose_splits(sum(w.n_tiles for w in weights), weights[0].n_sb, self.n_sm)
-        return gx, splits, rt
+            n_rb = sum(-(-w.n_tiles // 4) for w in weights)
+        return mm_grid_blocks(n_rb, weights[0].n_sb, self.n_sm), n_rb
 
     def workspace_need(self, weights: Sequence[TcWeight], mode: int) -> tuple[int, int]:
-        """(floats, counters) the launch needs at the widest batch (T = MAX_T) and for any RT."""
-        need_f, need_c = 0, 0
-        for T in (8, MAX_T):
-            gx, splits, rt = self.mm_grid(weights, mode, T)
-            if splits > 1:
-                need_f = max(need_f, gx * splits * MAX_T * 64 * rt)
-            need_c = max(need_c, gx)
-        return need_f, need_c
+        """(floats, counters) a launch needs at the widest batch: two partial row blocks per thread
+        block, a counter per row block."""
+        gx, n_rb = self.mm_grid(weights, mode)
+        return 2 * gx * MAX_T * 64, n_rb
 
     def op_mm(self, label: str, segs: Sequence[tuple[TcWeight, Any, int, int]], act: ActBuffer, T: int, mode: int,
-              ws: MmWorkspace, out_act: ActBuffer | None = None) -> Op:
+              ws: MmWorkspace, out_act: ActBuffer | None = None, variant: tuple[str, ...] = ()) -> Op:
         """y = act @ W.T for each segment (weight, y array, element offset into y, row stride of y);
         all weights share type and n_in. MODE_SWIGLU: segs = (gate, up), output into out_act."""
         xp = self.xp
@@ -217,7 +200,7 @@ class FusedGpu:
         if mode == MODE_SWIGLU and (len(segs) != 2 or weights[0].n_out != weights[1].n_out or out_act is None):
             raise ValueError(f"{label}: SwiGLU needs gate and up of one shape and an output buffer")
         nt = -(-T // 8)
-        gx, splits, rt = self.mm_grid(weights, mode, T)
+        gx, n_rb = self.mm_grid(weights, mode)
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
         keep = [act.x16, act.xs]
         for i, (w, y, off, ldy) in enumerate(segs):
@@ -229,19 +212,18 @@ class FusedGpu:
             keep += [w.data] + ([y] if y is not None else [])
         seg_dev = xp.asarray(table.view(np.uint8))
         keep.append(seg_dev)
-        if splits > 1 and ws.ws.size < gx * splits * T * 64 * rt:
+        if ws.ws.size < 2 * gx * T * 64 or ws.counters.size < n_rb:
             raise ValueError(f"{label}: workspace too small")
-        if ws.counters.size < gx:
-            raise ValueError(f"{label}: counters too few")
-        kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_RT={rt}", f"MM_MODE={mode}"))
-        smem = mm_smem_bytes(qt, nt, rt)
+        kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))
+        stages = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_STAGES=")), None)
+        smem = mm_smem_bytes(qt, nt, stages)
         self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.xs if out_act is not None else None
         ld_out = out_act.ld16 if out_act is not None else 0
-        args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), np.int32(splits), ws.ws,
+        args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), np.int32(0), ws.ws,
                 ws.counters, out16, outxs, np.int32(ld_out))
-        return Op(label, kern, (gx, splits), (MM_THREADS,), args, smem, sum(w.nbytes for w in weights), tuple(keep))
+        return Op(label, kern, (gx,), (MM_THREADS,), args, smem, sum(w.nbytes for w in weights), tuple(keep))
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,

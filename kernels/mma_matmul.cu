@@ -36,13 +36,17 @@
 //   F16          A = w, acc += A.x.
 // Activations are rounded to f16 once (2^-11 relative); everything else is f32.
 //
-// Work split. A thread block of 4 warps owns 4*RT tiles (RT = 1 or 2 per warp: 2 halves the
-// activation traffic of wide batches); grid.y splits the superblocks into `splits` contiguous
-// ranges, whose partial sums the last block to finish adds in split order (deterministic: a
-// counter per row block, reset by that last block so a CUDA graph can replay the launch).
+// Work split. A thread block of 4 warps works on row blocks of 4 tiles (one per warp; for SwiGLU
+// 2 gate + 2 up tiles of the same rows) superblock by superblock, its units and activation rows
+// streamed into shared memory by a cp.async pipeline several stages deep. The flat space (row
+// block, superblock) is cut into one contiguous stripe per thread block (grid = a fixed number per
+// matrix, about two blocks per multiprocessor), so every block streams the same number of bytes
+// whatever the matrix shape; a row block cut between stripes is finished by the last of its
+// stripes to arrive, which adds the partial sums in stripe order (deterministic; a counter per row
+// block, reset by that block so a CUDA graph can replay the launch).
 // Batch invariance: a row's result depends only on its own activation row (MMA columns are
-// independent, the split is chosen per matrix, never per T), so decoding 1 token or verifying 23
-// gives bit-identical rows; speculative decoding relies on it.
+// independent, the stripes depend on the matrix and the grid, never on T), so decoding 1 token or
+// verifying 23 gives bit-identical rows; speculative decoding relies on it.
 //
 // Epilogues: STORE y[t, o] = acc; ADD y[t, o] += acc (residual, in place); SWIGLU (two segments:
 // gate and up, paired tile for tile) writes silu(gate) * up as the next product's act16 row and
@@ -282,106 +286,126 @@ __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z));
 
 // Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes).
 #define MM_B_ROW 264                       // halves per staged activation row (256 + 8: bank spread)
-template <int QT, int NT, int RT> struct MmGeom {
+#define MM_SMEM_TARGET (110 * 1024)        // stages per block so that two blocks fit on an SM
+template <int QT, int NT> struct MmGeom {
     static constexpr int UNIT = UnitBytes<QT>::v;
-    static constexpr int A_BYTES = 4 * RT * UNIT;
+    static constexpr int A_BYTES = 4 * UNIT;
     static constexpr int B_BYTES = NT * 8 * MM_B_ROW * 2;
     static constexpr int XS_BYTES = NT * 8 * 16 * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES + XS_BYTES;
-    static constexpr int STAGES = (QT == QT_Q8_0 || QT == QT_F16 || NT >= 3) ? 2 : 3;
+#ifdef MM_STAGES       // benchmarks (tests/bench/bench_mm_gpu.py --variants) try other depths
+    static constexpr int STAGES = MM_STAGES;
+#else
+    static constexpr int STAGES = MM_SMEM_TARGET / STAGE < 2 ? 2 : (MM_SMEM_TARGET / STAGE > 8 ? 8 : MM_SMEM_TARGET / STAGE);
+#endif
 };
 
-// One pair of k-steps (2p, 2p+1) for the warp's RT tiles; activations from the stage.
-template <typename U, int NT, int RT, int P>
-__device__ __forceinline__ void mm_pair(U (&un)[RT], const bool (&ok)[RT], const unsigned char* const (&ub)[RT],
-                                        const u16* sb_x, int lane, float (&tm)[RT][NT][4]) {
+// One pair of k-steps (2p, 2p+1) of the warp's tile; activations from the stage.
+template <typename U, int NT, int P>
+__device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const u16* sb_x, int lane, float (&tm)[NT][4]) {
     const int g = lane >> 2, c = lane & 3;
     uint4 bq[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + (nt * 8 + g) * MM_B_ROW + P * 32 + c * 8);
+    un.pair(ub, lane, P);
+    u32 a[4];
+    un.template frag<2 * P>(a);
 #pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        if (!ok[r]) continue;
-        un[r].pair(ub[r], lane, P);
-        u32 a[4];
-        un[r].template frag<2 * P>(a);
+    for (int nt = 0; nt < NT; ++nt) mma16816(tm[nt], a, bq[nt].x, bq[nt].y);
+    un.template frag<2 * P + 1>(a);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma16816(tm[r][nt], a, bq[nt].x, bq[nt].y);
-        un[r].template frag<2 * P + 1>(a);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma16816(tm[r][nt], a, bq[nt].z, bq[nt].w);
+    for (int nt = 0; nt < NT; ++nt) mma16816(tm[nt], a, bq[nt].z, bq[nt].w);
+}
+
+// The row block rb (flat over the segments) -> its segment and its index in it. A row block is
+// 4 tiles of one segment (STORE / ADD), or 2 gate tiles + the 2 up tiles of the same rows (SWIGLU).
+template <int MODE>
+__device__ __forceinline__ void rb_locate(const MmSeg* __restrict__ segs, int n_segs, int rb, int& seg, int& lrb) {
+    seg = 0;
+    lrb = rb;
+    if (MODE == MODE_SWIGLU) return;
+    for (int s = 0; s < n_segs; ++s) {
+        const int n_rb = (segs[s].n_tiles + 3) >> 2;
+        if (lrb < n_rb) { seg = s; return; }
+        lrb -= n_rb;
     }
 }
 
-template <int QT, int NT, int RT, int MODE>
+// Tile slot q (0..3, one per warp) of row block lrb of segment seg -> (segment, tile); tile may be
+// past the segment's end (then the slot is idle).
+template <int MODE>
+__device__ __forceinline__ void slot_tile(int seg, int lrb, int q, int& s, int& tile) {
+    if (MODE == MODE_SWIGLU) {
+        s = q < 2 ? 0 : 1;
+        tile = lrb * 2 + (q & 1);
+    } else {
+        s = seg;
+        tile = lrb * 4 + q;
+    }
+}
+
+// The block that owns flat superblock f of W, when G blocks split [0, W) into contiguous stripes
+// [i*W/G, (i+1)*W/G).
+__device__ __forceinline__ int stripe_owner(long long f, long long W, int G) { return (int)(((f + 1) * G - 1) / W); }
+
+template <int QT, int NT, int MODE>
 __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
-                                           const u16* __restrict__ xs, int n_sb, int T, int splits,
+                                           const u16* __restrict__ xs, int n_sb, int T, int unused,
                                            float* __restrict__ ws, int* __restrict__ counters,
                                            u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
     typedef typename UnitOf<QT>::T U;
-    typedef MmGeom<QT, NT, RT> G;
+    typedef MmGeom<QT, NT> G;
     constexpr int UNIT = G::UNIT;
-    constexpr int ROWS = 64 * RT;                // rows (tiles * 16) per thread block
+    constexpr int ROWS = 64;                     // rows (4 tiles) per row block
     constexpr int SROW = ROWS + 4;               // padded smem row (bank spread of fragment stores)
-    DYN_SMEM(unsigned char, smem);               // STAGES stages; the result tile reuses it after
+    DYN_SMEM(unsigned char, smem);               // STAGES pipeline stages
+    __shared__ float sres[32 * SROW];            // one row block's result
     __shared__ int s_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-    const int split = blockIdx.y;
+    const int n_rows_b = min(T, NT * 8);         // activation rows worth copying
 
-    // Which segment, and which of its tiles each tile slot q (0 .. 4*RT-1) of the block works on.
-    int rb = blockIdx.x, seg = 0;
-    if (MODE != MODE_SWIGLU) {
-        for (int s = 0; s < n_segs; ++s) {
-            const int n_rb = (segs[s].n_tiles + 4 * RT - 1) / (4 * RT);
-            if (rb < n_rb) { seg = s; break; }
-            rb -= n_rb;
-        }
-    }
-    const unsigned char* ub[RT];     // this warp's tiles in global memory
-    bool ok[RT];
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        const int q = warp * RT + r;
-        int s = seg, tile;
-        if (MODE == MODE_SWIGLU) {
-            s = q < 2 * RT ? 0 : 1;
-            tile = rb * 2 * RT + (q < 2 * RT ? q : q - 2 * RT);
-        } else {
-            tile = rb * 4 * RT + q;
-        }
-        ok[r] = tile < segs[s].n_tiles;
-        ub[r] = (const unsigned char*)segs[s].w + (size_t)(ok[r] ? tile : 0) * n_sb * UNIT;
-    }
-    const int sb0 = (int)((long long)split * n_sb / splits), sb1 = (int)((long long)(split + 1) * n_sb / splits);
+    // This block's stripe of the flat (row block, superblock) space: the split depends on the
+    // matrix and the grid only (never on T), so every row is summed in the same order whatever T.
+    int n_rb = 0;
+    if (MODE == MODE_SWIGLU) n_rb = (segs[0].n_tiles + 1) >> 1;
+    else
+        for (int s = 0; s < n_segs; ++s) n_rb += (segs[s].n_tiles + 3) >> 2;
+    const long long W = (long long)n_rb * n_sb;
+    const int Gn = gridDim.x;
+    const long long f0 = (long long)blockIdx.x * W / Gn, f1 = (long long)(blockIdx.x + 1) * W / Gn;
     const int ld_x = n_sb * 256, ld_xs = n_sb * 16;
 
-    // Stage k holds, for superblock sb: the block's 4*RT units, then NT*8 activation rows of 256
-    // halves (row stride MM_B_ROW), then their block sums. Every thread copies 16-byte chunks.
-    auto issue = [&](int k, int sb) {
-        if (sb < sb1) {
+    // Stage k holds flat superblock f: the row block's 4 units, the activation rows (only the T
+    // real ones are copied: the MMA columns of the others are never read), their block sums.
+    auto issue_a = [&](int k, long long f) {
+        if (f < f1) {
+            const int rb = (int)(f / n_sb), sb = (int)(f % n_sb);
+            int seg, lrb;
+            rb_locate<MODE>(segs, n_segs, rb, seg, lrb);
             unsigned char* st = smem + k * G::STAGE;
             constexpr int A_CHUNKS = UNIT / 16;
-            for (int i = tid; i < 4 * RT * A_CHUNKS; i += MM_THREADS) {
-                const int q = i / A_CHUNKS, j = i % A_CHUNKS;
-                int s = seg, tile;
-                if (MODE == MODE_SWIGLU) {
-                    s = q < 2 * RT ? 0 : 1;
-                    tile = rb * 2 * RT + (q < 2 * RT ? q : q - 2 * RT);
-                } else {
-                    tile = rb * 4 * RT + q;
-                }
+            for (int i = tid; i < 4 * A_CHUNKS; i += MM_THREADS) {
+                const int q = i / A_CHUNKS, j = i - q * A_CHUNKS;
+                int s, tile;
+                slot_tile<MODE>(seg, lrb, q, s, tile);
                 if (tile < segs[s].n_tiles)
                     cp_async16(st + q * UNIT + j * 16,
                                (const unsigned char*)segs[s].w + ((size_t)tile * n_sb + sb) * UNIT + j * 16);
             }
+        }
+    };
+    auto issue_b = [&](int k, long long f) {
+        if (f < f1) {
+            const int sb = (int)(f % n_sb);
+            unsigned char* st = smem + k * G::STAGE;
             u16* sx = (u16*)(st + G::A_BYTES);
-            for (int i = tid; i < NT * 8 * 32; i += MM_THREADS) {
+            for (int i = tid; i < n_rows_b * 32; i += MM_THREADS) {
                 const int row = i >> 5, j = i & 31;
                 cp_async16(sx + row * MM_B_ROW + j * 8, x16 + (size_t)row * ld_x + (size_t)sb * 256 + j * 8);
             }
             if (U::HAS_MIN) {
                 u16* sxs = (u16*)(st + G::A_BYTES + G::B_BYTES);
-                for (int i = tid; i < NT * 8 * 2; i += MM_THREADS) {
+                for (int i = tid; i < n_rows_b * 2; i += MM_THREADS) {
                     const int row = i >> 1, j = i & 1;
                     cp_async16(sxs + row * 16 + j * 8, xs + (size_t)row * ld_xs + (size_t)sb * 16 + j * 8);
                 }
@@ -390,177 +414,176 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         cp_async_commit();
     };
 
-    grid_dependency_wait();                      // activations come from the previous kernel
+    // Weights do not depend on the previous kernel: their first stages are requested before
+    // waiting for it (programmatic dependent launch), the activations after.
+#pragma unroll
+    for (int k = 0; k < G::STAGES - 1; ++k) issue_a(k, f0 + k);
+    grid_dependency_wait();
+#pragma unroll
+    for (int k = 0; k < G::STAGES - 1; ++k) issue_b(k, f0 + k);
 
-    float acc[RT][NT][4];
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.0f;
-
-#pragma unroll
-    for (int k = 0; k < G::STAGES - 1; ++k) issue(k, sb0 + k);
-
-    for (int sb = sb0; sb < sb1; ++sb) {
-        const int k = (sb - sb0) % G::STAGES;
-        cp_async_wait<G::STAGES - 2>();          // this superblock's copies (mine) have landed
-        __syncthreads();                         // ... everyone's; and the stage refilled below is free
-        issue((sb - sb0 + G::STAGES - 1) % G::STAGES, sb + G::STAGES - 1);
-        const unsigned char* st = smem + k * G::STAGE;
-        U un[RT];
-        const unsigned char* us[RT];
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-            us[r] = st + (warp * RT + r) * UNIT;
-            if (ok[r]) un[r].load(us[r], lane);
-        }
-        const u16* sb_x = (const u16*)(st + G::A_BYTES);
-        float tm[RT][NT][4];
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
+    float acc[NT][4];
+    int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
+    bool ok = false;
+    long long f_start = f0;                      // first superblock of the current row block in this stripe
+    for (long long f = f0; f < f1; ++f) {
+        const int k = (int)((f - f0) % G::STAGES);
+        const int rb = (int)(f / n_sb), sb = (int)(f % n_sb);
+        if (f == f0 || sb == 0) {                // a new row block
+            rb_locate<MODE>(segs, n_segs, rb, seg, lrb);
+            slot_tile<MODE>(seg, lrb, warp, s_w, tile_w);
+            ok = tile_w < segs[s_w].n_tiles;
+            f_start = f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) tm[r][nt][i] = 0.0f;
-        mm_pair<U, NT, RT, 0>(un, ok, us, sb_x, lane, tm);
-        mm_pair<U, NT, RT, 1>(un, ok, us, sb_x, lane, tm);
-        mm_pair<U, NT, RT, 2>(un, ok, us, sb_x, lane, tm);
-        mm_pair<U, NT, RT, 3>(un, ok, us, sb_x, lane, tm);
-        mm_pair<U, NT, RT, 4>(un, ok, us, sb_x, lane, tm);
-        mm_pair<U, NT, RT, 5>(un, ok, us, sb_x, lane, tm);
-        mm_pair<U, NT, RT, 6>(un, ok, us, sb_x, lane, tm);
-        mm_pair<U, NT, RT, 7>(un, ok, us, sb_x, lane, tm);
-
-        if (U::HAS_MIN) {
-            const u16* sxs = (const u16*)(st + G::A_BYTES + G::B_BYTES);
-            uint2 bm[NT];
+                for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+        }
+        cp_async_wait<G::STAGES - 2>();          // this superblock's copies (mine) have landed
+        __syncthreads();                         // ... everyone's; and the stage refilled below is free
+        issue_a((k + G::STAGES - 1) % G::STAGES, f + G::STAGES - 1);
+        issue_b((k + G::STAGES - 1) % G::STAGES, f + G::STAGES - 1);
+        const unsigned char* st = smem + k * G::STAGE;
+#ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
+        if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
+#else
+        if (ok) {
+            const unsigned char* us = st + warp * UNIT;
+            U un;
+            un.load(us, lane);
+            const u16* sb_x = (const u16*)(st + G::A_BYTES);
+            float tm[NT][4];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) bm[nt] = *(const uint2*)(sxs + (nt * 8 + g) * 16 + c * 4);
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int r = 0; r < RT; ++r) {
-                if (!ok[r]) continue;
-                const u32 am[4] = {un[r].amin[0], un[r].amin[1], un[r].amin[0], un[r].amin[1]};
+                for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
+            mm_pair<U, NT, 0>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 1>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 2>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 3>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 4>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 5>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 6>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 7>(un, us, sb_x, lane, tm);
+            if (U::HAS_MIN) {
+                const u16* sxs = (const u16*)(st + G::A_BYTES + G::B_BYTES);
+                const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
+                    const uint2 bm = *(const uint2*)(sxs + (nt * 8 + g) * 16 + c * 4);
                     float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma16816(mn, am, bm[nt].x, bm[nt].y);
+                    mma16816(mn, am, bm.x, bm.y);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const float a1 = fmaf(un[r].d[i >> 1], tm[r][nt][i], acc[r][nt][i]);
-                        acc[r][nt][i] = fmaf(-un[r].dmin[i >> 1], mn[i], a1);
+                        const float a1 = fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]);
+                        acc[nt][i] = fmaf(-un.dmin[i >> 1], mn[i], a1);
                     }
                 }
-            }
-        } else {
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-                if (!ok[r]) continue;
+            } else {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int i = 0; i < 4; ++i)
-                        acc[r][nt][i] = U::SCALED ? fmaf(un[r].d[i >> 1], tm[r][nt][i], acc[r][nt][i])
-                                                  : acc[r][nt][i] + tm[r][nt][i];
+                        acc[nt][i] = U::SCALED ? fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]) : acc[nt][i] + tm[nt][i];
             }
         }
-    }
-    cp_async_wait<0>();
-    __syncthreads();                             // the stages are free: the result tile takes them
-    float* sres = (float*)smem;
-    trigger_dependents();
+#endif
+        if (sb != n_sb - 1 && f != f1 - 1) continue;
 
-    // Fragments -> smem [tok][row] (aliasing the pipeline's stages).
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
+        // ---- the row block's part in this stripe is done ----------------------------------------
+        const long long fa = (long long)rb * n_sb, fb = fa + n_sb - 1;
+        const int first = stripe_owner(fa, W, Gn), n_part = stripe_owner(fb, W, Gn) - first + 1;
+        const int n_el = T * ROWS;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int row = (warp * RT + r) * 16 + g + 8 * (i >> 1);
+                const int row = warp * 16 + g + 8 * (i >> 1);
                 const int tok = nt * 8 + 2 * c + (i & 1);
-                sres[tok * SROW + row] = acc[r][nt][i];
+                sres[tok * SROW + row] = acc[nt][i];
             }
-    __syncthreads();
-
-    const int n_el = T * ROWS;
-    if (splits > 1) {
-        float* part = ws + ((size_t)blockIdx.x * splits + split) * (size_t)n_el;
-        for (int i = tid; i < n_el; i += MM_THREADS) part[i] = sres[(i / ROWS) * SROW + (i % ROWS)];
-        __threadfence();
         __syncthreads();
-        if (tid == 0) s_last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
-        __syncthreads();
-        if (!s_last) return;
-        __threadfence();
-        const float* base = ws + (size_t)blockIdx.x * splits * (size_t)n_el;
-        for (int i = tid; i < n_el; i += MM_THREADS) {
-            float v = 0.0f;
-            for (int s = 0; s < splits; ++s) v += ldcg_f32(base + (size_t)s * n_el + i);
-            sres[(i / ROWS) * SROW + (i % ROWS)] = v;
-        }
-        if (tid == 0) counters[blockIdx.x] = 0;
-        __syncthreads();
-    }
-
-    if (MODE != MODE_SWIGLU) {
-        const MmSeg& sg = segs[seg];
-        float* y = (float*)sg.y;
-        for (int i = tid; i < n_el; i += MM_THREADS) {
-            const int tok = i / ROWS, rr = i % ROWS;
-            const int row = rb * ROWS + rr;
-            if (row < sg.n_rows) {
-                const float v = sres[tok * SROW + rr];
-                if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += v;
-                else y[(size_t)tok * sg.ldy + row] = v;
+        if (n_part > 1) {                        // several stripes share the row block: add in stripe order
+            // A stripe holds at most two shared row blocks: its first (slot 0) and its last (slot 1).
+            const int slot = (int)blockIdx.x == first ? 1 : 0;
+            float* part = ws + ((size_t)blockIdx.x * 2 + slot) * (size_t)n_el;
+            for (int i = tid; i < n_el; i += MM_THREADS) part[i] = sres[(i / ROWS) * SROW + (i % ROWS)];
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) s_last = atomicAdd(&counters[rb], 1) == n_part - 1;
+            __syncthreads();
+            if (!s_last) continue;
+            __threadfence();
+            for (int i = tid; i < n_el; i += MM_THREADS) {
+                float v = 0.0f;
+                for (int p = first; p < first + n_part; ++p)
+                    v += ldcg_f32(ws + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el + i);
+                sres[(i / ROWS) * SROW + (i % ROWS)] = v;
             }
+            if (tid == 0) counters[rb] = 0;
+            __syncthreads();
         }
-    } else {
-        // features rb*F .. rb*F + F-1; gate rows at smem rows 0..F-1, up rows at F..2F-1
-        constexpr int F = 32 * RT, GROUPS = F / 8;
-        const int n_ff = segs[0].n_rows;
-        const int items = T * GROUPS;
-        for (int base = 0; base < items; base += MM_THREADS) {
-            const int item = base + tid;
-            const bool valid = item < items;
-            const int tok = valid ? item / GROUPS : 0, grp = item % GROUPS;
-            const int f0 = rb * F + grp * 8;
-            float s = 0.0f;
-            if (valid && f0 < n_ff) {
-                u32 packed[4];
-#pragma unroll
-                for (int e = 0; e < 8; e += 2) {
-                    const float g0 = sres[tok * SROW + grp * 8 + e], g1 = sres[tok * SROW + grp * 8 + e + 1];
-                    const float u0 = sres[tok * SROW + F + grp * 8 + e], u1 = sres[tok * SROW + F + grp * 8 + e + 1];
-                    const u16 h0 = f2h(silu_f(g0) * u0), h1 = f2h(silu_f(g1) * u1);
-                    s += h2f(h0);
-                    s += h2f(h1);
-                    packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
+        if (MODE != MODE_SWIGLU) {
+            const MmSeg& sg = segs[seg];
+            float* y = (float*)sg.y;
+            for (int i = tid; i < n_el; i += MM_THREADS) {
+                const int tok = i / ROWS, rr = i % ROWS;
+                const int row = lrb * ROWS + rr;
+                if (row < sg.n_rows) {
+                    const float v = sres[tok * SROW + rr];
+                    if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += v;
+                    else y[(size_t)tok * sg.ldy + row] = v;
                 }
-                *(uint4*)(out16 + (size_t)tok * ld_out16 + act_pos(f0)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
             }
-            s += shfl_xor(s, 1);
-            s += shfl_xor(s, 2);
-            if (valid && (grp & 3) == 0 && f0 < n_ff && outxs != nullptr) {
-                const u16 hi = f2h(s);
-                const u16 lo = f2h(s - h2f(hi));
-                u16* xr = outxs + (size_t)tok * (ld_out16 / 16);
-                xr[xs_pos(f0 >> 5)] = hi;
-                xr[xs_pos(f0 >> 5) + 2] = lo;
+        } else {
+            // features lrb*32 .. +31: gate at smem rows 0..31, up at 32..63
+            constexpr int F = 32, GROUPS = F / 8;
+            const int n_ff = segs[0].n_rows;
+            const int items = T * GROUPS;
+            for (int base = 0; base < items; base += MM_THREADS) {
+                const int item = base + tid;
+                const bool valid = item < items;
+                const int tok = valid ? item / GROUPS : 0, grp = item % GROUPS;
+                const int f0f = lrb * F + grp * 8;
+                float sum = 0.0f;
+                if (valid && f0f < n_ff) {
+                    u32 packed[4];
+#pragma unroll
+                    for (int e = 0; e < 8; e += 2) {
+                        const float g0 = sres[tok * SROW + grp * 8 + e], g1 = sres[tok * SROW + grp * 8 + e + 1];
+                        const float u0 = sres[tok * SROW + F + grp * 8 + e], u1 = sres[tok * SROW + F + grp * 8 + e + 1];
+                        const u16 h0 = f2h(silu_f(g0) * u0), h1 = f2h(silu_f(g1) * u1);
+                        sum += h2f(h0);
+                        sum += h2f(h1);
+                        packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
+                    }
+                    *(uint4*)(out16 + (size_t)tok * ld_out16 + act_pos(f0f)) =
+                        make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                }
+                sum += shfl_xor(sum, 1);
+                sum += shfl_xor(sum, 2);
+                if (valid && (grp & 3) == 0 && f0f < n_ff && outxs != nullptr) {
+                    const u16 hi = f2h(sum);
+                    const u16 lo = f2h(sum - h2f(hi));
+                    u16* xr = outxs + (size_t)tok * (ld_out16 / 16);
+                    xr[xs_pos(f0f >> 5)] = hi;
+                    xr[xs_pos(f0f >> 5) + 2] = lo;
+                }
             }
         }
+        __syncthreads();                         // sres is reused by the next row block
     }
+    cp_async_wait<0>();
+    trigger_dependents();
 }
 
 #if defined(MM_QT)
-// One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_RT=<1|2> -DMM_MODE=<0..2>
-extern "C" __global__ void __launch_bounds__(MM_THREADS, (MM_RT == 1 ? 4 : 3))
+// One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_MODE=<0..2>
+extern "C" __global__ void __launch_bounds__(MM_THREADS, 2)
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
-      int n_sb, int T, int splits, float* __restrict__ ws, int* __restrict__ counters,
+      int n_sb, int T, int unused, float* __restrict__ ws, int* __restrict__ counters,
       u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
-    mm_tc_impl<MM_QT, MM_NT, MM_RT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, splits, ws, counters, out16, outxs,
-                                               ld_out16);
+    mm_tc_impl<MM_QT, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, unused, ws, counters, out16, outxs, ld_out16);
 }
 #else
 // ---------------------------------------------------------------------------------------------

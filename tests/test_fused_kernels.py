@@ -352,7 +352,7 @@ def test_hardware_mma_matches_shuffle_mma():
     op = fg.op_mm("t", [(w, y_hw, 0, n_out)], act, T, MODE_STORE, ws)
     op()
     y_sw = xp.zeros((T, n_out), dtype=xp.float32)
-    defines = ("MM_QT=12", "MM_NT=2", "MM_RT=1", "MM_MODE=0", "MMA_PORTABLE=1")
+    defines = ("MM_QT=12", "MM_NT=2", "MM_MODE=0", "MMA_PORTABLE=1")
     kern = cb._MODULES.get(gpu._cp, "mma_matmul.cu", defines).get_function("mm_tc")
     args = list(op.args)
     seg = np.zeros(1, dtype=__import__("kernels.fused_gpu", fromlist=["SEG_DTYPE"]).SEG_DTYPE)

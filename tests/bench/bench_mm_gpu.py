@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1,23")
     ap.add_argument("--ncu-once", action="store_true")
     ap.add_argument("--cases", default="")
+    ap.add_argument("--variants", default="", help="';'-separated define sets, e.g. 'MM_STAGES=4;MM_NO_COMPUTE=1'")
     args = ap.parse_args()
     gpu = CudaBackend()
     cp = gpu.xp
@@ -61,9 +62,10 @@ def main() -> None:
         out_act = ActBuffer(cp, n_out) if mode == MODE_SWIGLU else None
         y = cp.zeros((32, n_out), dtype=cp.float32)
         ws = MmWorkspace(cp, *fg.workspace_need(ws_, mode))
-        for T in widths:
+        variants = [()] + [tuple(v.split(",")) for v in args.variants.split(";") if v]
+        for T, variant in [(T, v) for T in widths for v in variants]:
             segs = [(w, None if mode == MODE_SWIGLU else y, 0, n_out) for w in ws_]
-            op = fg.op_mm(label, segs, act, T, mode, ws, out_act=out_act)
+            op = fg.op_mm(label, segs, act, T, mode, ws, out_act=out_act, variant=variant)
             if args.ncu_once:
                 op()
                 continue
@@ -75,7 +77,7 @@ def main() -> None:
                 ts.append(cp.cuda.get_elapsed_time(ev0, ev1))
             ms = float(np.median(ts))
             nbytes = sum(w.nbytes for w in ws_)
-            print(f"{label:18s} T={T:2d} grid {str(op.grid):12s} smem {op.smem // 1024:3d} KB  {ms * 1e3:8.1f} us  "
+            print(f"{label:18s} {','.join(variant) or 'default':24s} T={T:2d} grid {str(op.grid):12s} smem {op.smem // 1024:3d} KB  {ms * 1e3:8.1f} us  "
                   f"{nbytes / (ms / 1e3) / 1e9:6.0f} GB/s  ({100 * nbytes / (ms / 1e3) / 1e9 / copy_gbs:4.1f}% of copy)")
     cp.cuda.Device().synchronize()
 

@@ -30,10 +30,8 @@ CXX = os.environ.get("CXX", "g++")
 
 __all__ = ["EmuDevice", "emu_unavailable_reason", "MM_CONFIGS"]
 
-# The mma_matmul.cu instantiations the emulated library holds: (qtype, NT, RT, mode); RT follows NT
-# as kernels.fused_gpu.mm_rt chooses it.
-MM_CONFIGS = tuple((qt, nt, 1 if nt <= 2 else 2, mode) for qt in (1, 8, 12, 13, 14) for nt in (1, 2, 3, 4)
-                   for mode in (0, 1, 2))
+# The mma_matmul.cu instantiations the emulated library holds: (qtype, NT, mode).
+MM_CONFIGS = tuple((qt, nt, mode) for qt in (1, 8, 12, 13, 14) for nt in (1, 2, 3, 4) for mode in (0, 1, 2))
 
 
 def emu_unavailable_reason() -> str | None:
@@ -159,10 +157,10 @@ class EmuDevice:
     def _kernel(self, source: str, name: str, defines: tuple[str, ...] = ()) -> _EmuKernel:
         if source == "mma_matmul.cu" and defines:
             d = dict(x.split("=") for x in defines)
-            cfg = (int(d["MM_QT"]), int(d["MM_NT"]), int(d["MM_RT"]), int(d["MM_MODE"]))
-            if cfg not in MM_CONFIGS:
-                raise RuntimeError(f"emulator: mma_matmul config {cfg} is not built")
-            return self._library("mma_matmul.cu").kernel("mm_tc__{}_{}_{}_{}".format(*cfg))
+            cfg = (int(d["MM_QT"]), int(d["MM_NT"]), int(d["MM_MODE"]))
+            if cfg not in MM_CONFIGS or len(d) != 3:
+                raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
+            return self._library("mma_matmul.cu").kernel("mm_tc__{}_{}_{}".format(*cfg))
         if defines:
             raise RuntimeError(f"emulator: {source} with defines {defines} is not built")
         return self._library(source).kernel(name)
@@ -181,13 +179,13 @@ class EmuDevice:
                 code = _inline_includes((KERNELS / source).read_text())
                 body = ['#include "emu.cpp"', code]
                 if source == "mma_matmul.cu":
-                    for qt, nt, rt, mode in MM_CONFIGS:
-                        sym = f"mm_tc__{qt}_{nt}_{rt}_{mode}"
+                    for qt, nt, mode in MM_CONFIGS:
+                        sym = f"mm_tc__{qt}_{nt}_{mode}"
                         body.append(
                             f'extern "C" __global__ void {sym}(const MmSeg* segs, int n_segs, const u16* x16, '
-                            f'const u16* xs, int n_sb, int T, int splits, float* ws, int* counters, u16* out16, '
-                            f'u16* outxs, int ld_out16) {{ mm_tc_impl<{qt}, {nt}, {rt}, {mode}>(segs, n_segs, x16, '
-                            f'xs, n_sb, T, splits, ws, counters, out16, outxs, ld_out16); }}')
+                            f'const u16* xs, int n_sb, int T, int unused, float* ws, int* counters, u16* out16, '
+                            f'u16* outxs, int ld_out16) {{ mm_tc_impl<{qt}, {nt}, {mode}>(segs, n_segs, x16, '
+                            f'xs, n_sb, T, unused, ws, counters, out16, outxs, ld_out16); }}')
                 names = _kernel_names(_preprocess("\n".join(body)))
                 body += [f"EMU_EXPORT({n})" for n in names]
                 path = _build(source.replace(".", "_"), "\n".join(body))
