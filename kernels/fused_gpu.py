@@ -40,7 +40,7 @@ ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
 
 MM_B_ROW = 264                      # halves per staged activation row (mma_matmul.cu)
-MM_SMEM_TARGET = 110 * 1024         # stages per thread block: two blocks per multiprocessor
+MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
 
 
 def mm_smem_bytes(qtype: int, nt: int, stages: int | None = None) -> int:
@@ -52,9 +52,10 @@ def mm_smem_bytes(qtype: int, nt: int, stages: int | None = None) -> int:
 
 
 def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int) -> int:
-    """Thread blocks of an mm_tc launch: about two per multiprocessor, at least 4 superblocks of
-    work each. A function of the matrix only, never of the batch width (rows stay batch-invariant)."""
-    return max(1, min(2 * n_sm, (n_rb * n_sb) // 4))
+    """Thread blocks of an mm_tc launch: four per multiprocessor (all resident at once), at least 4
+    superblocks of work each. A function of the matrix only, never of the batch width (rows stay
+    batch-invariant)."""
+    return max(1, min(4 * n_sm, (n_rb * n_sb) // 4))
 
 
 @dataclass(frozen=True, eq=False)

@@ -286,7 +286,7 @@ __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z));
 
 // Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes).
 #define MM_B_ROW 264                       // halves per staged activation row (256 + 8: bank spread)
-#define MM_SMEM_TARGET (110 * 1024)        // stages per block so that two blocks fit on an SM
+#define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
 template <int QT, int NT> struct MmGeom {
     static constexpr int UNIT = UnitBytes<QT>::v;
     static constexpr int A_BYTES = 4 * UNIT;
@@ -376,51 +376,58 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int ld_x = n_sb * 256, ld_xs = n_sb * 16;
 
     // Stage k holds flat superblock f: the row block's 4 units, the activation rows (only the T
-    // real ones are copied: the MMA columns of the others are never read), their block sums.
-    auto issue_a = [&](int k, long long f) {
+    // real ones are copied: the MMA columns of the others are never read), their block sums. One
+    // thread issues the stage as bulk copies completing on the stage's mbarrier (TMA on sm_90).
+    __shared__ MmSeg s_segs[4];
+    __shared__ __align__(8) unsigned long long s_bar[8];
+    if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
+    if (tid == 0)
+        for (int k = 0; k < G::STAGES; ++k) mbar_init(&s_bar[k], 1);
+    __syncthreads();
+    const unsigned b_bytes = (unsigned)n_rows_b * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
+    auto issue_a = [&](int k, long long f) {       // thread 0: arm the barrier, copy the weights
         if (f < f1) {
             const int rb = (int)(f / n_sb), sb = (int)(f % n_sb);
             int seg, lrb;
-            rb_locate<MODE>(segs, n_segs, rb, seg, lrb);
+            rb_locate<MODE>(s_segs, n_segs, rb, seg, lrb);
             unsigned char* st = smem + k * G::STAGE;
-            constexpr int A_CHUNKS = UNIT / 16;
-            for (int i = tid; i < 4 * A_CHUNKS; i += MM_THREADS) {
-                const int q = i / A_CHUNKS, j = i - q * A_CHUNKS;
-                int s, tile;
-                slot_tile<MODE>(seg, lrb, q, s, tile);
-                if (tile < segs[s].n_tiles)
-                    cp_async16(st + q * UNIT + j * 16,
-                               (const unsigned char*)segs[s].w + ((size_t)tile * n_sb + sb) * UNIT + j * 16);
+            unsigned bytes = b_bytes;
+            int tiles[4], ss[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                slot_tile<MODE>(seg, lrb, q, ss[q], tiles[q]);
+                if (tiles[q] < s_segs[ss[q]].n_tiles) bytes += UNIT;
             }
+            mbar_expect(&s_bar[k], bytes);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (tiles[q] < s_segs[ss[q]].n_tiles)
+                    bulk_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + sb) * UNIT,
+                              UNIT, &s_bar[k]);
         }
     };
-    auto issue_b = [&](int k, long long f) {
+    auto issue_b = [&](int k, long long f) {       // thread 0: the activation rows
         if (f < f1) {
             const int sb = (int)(f % n_sb);
             unsigned char* st = smem + k * G::STAGE;
             u16* sx = (u16*)(st + G::A_BYTES);
-            for (int i = tid; i < n_rows_b * 32; i += MM_THREADS) {
-                const int row = i >> 5, j = i & 31;
-                cp_async16(sx + row * MM_B_ROW + j * 8, x16 + (size_t)row * ld_x + (size_t)sb * 256 + j * 8);
-            }
+            for (int row = 0; row < n_rows_b; ++row)
+                bulk_copy(sx + row * MM_B_ROW, x16 + (size_t)row * ld_x + (size_t)sb * 256, 512u, &s_bar[k]);
             if (U::HAS_MIN) {
                 u16* sxs = (u16*)(st + G::A_BYTES + G::B_BYTES);
-                for (int i = tid; i < n_rows_b * 2; i += MM_THREADS) {
-                    const int row = i >> 1, j = i & 1;
-                    cp_async16(sxs + row * 16 + j * 8, xs + (size_t)row * ld_xs + (size_t)sb * 16 + j * 8);
-                }
+                for (int row = 0; row < n_rows_b; ++row)
+                    bulk_copy(sxs + row * 16, xs + (size_t)row * ld_xs + (size_t)sb * 16, 32u, &s_bar[k]);
             }
         }
-        cp_async_commit();
     };
 
     // Weights do not depend on the previous kernel: their first stages are requested before
     // waiting for it (programmatic dependent launch), the activations after.
-#pragma unroll
-    for (int k = 0; k < G::STAGES - 1; ++k) issue_a(k, f0 + k);
+    if (tid == 0)
+        for (int k = 0; k < G::STAGES - 1; ++k) issue_a(k, f0 + k);
     grid_dependency_wait();
-#pragma unroll
-    for (int k = 0; k < G::STAGES - 1; ++k) issue_b(k, f0 + k);
+    if (tid == 0)
+        for (int k = 0; k < G::STAGES - 1; ++k) issue_b(k, f0 + k);
 
     float acc[NT][4];
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
@@ -430,19 +437,25 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         const int k = (int)((f - f0) % G::STAGES);
         const int rb = (int)(f / n_sb), sb = (int)(f % n_sb);
         if (f == f0 || sb == 0) {                // a new row block
-            rb_locate<MODE>(segs, n_segs, rb, seg, lrb);
+            rb_locate<MODE>(s_segs, n_segs, rb, seg, lrb);
             slot_tile<MODE>(seg, lrb, warp, s_w, tile_w);
-            ok = tile_w < segs[s_w].n_tiles;
+            ok = tile_w < s_segs[s_w].n_tiles;
             f_start = f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
         }
-        cp_async_wait<G::STAGES - 2>();          // this superblock's copies (mine) have landed
-        __syncthreads();                         // ... everyone's; and the stage refilled below is free
-        issue_a((k + G::STAGES - 1) % G::STAGES, f + G::STAGES - 1);
-        issue_b((k + G::STAGES - 1) % G::STAGES, f + G::STAGES - 1);
+        __syncthreads();                         // everyone is done with the stage refilled below
+        if (tid == 0) {
+            const int kn = (k + G::STAGES - 1) % G::STAGES;
+            issue_a(kn, f + G::STAGES - 1);
+            issue_b(kn, f + G::STAGES - 1);
+        }
+#ifndef TC_BULK_ASYNC
+        __syncthreads();                         // synchronous copies: thread 0's must be visible
+#endif
+        mbar_wait(&s_bar[k], (unsigned)(((f - f0) / G::STAGES) & 1));   // this superblock has landed
         const unsigned char* st = smem + k * G::STAGE;
 #ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
         if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
@@ -573,13 +586,12 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         }
         __syncthreads();                         // sres is reused by the next row block
     }
-    cp_async_wait<0>();
     trigger_dependents();
 }
 
 #if defined(MM_QT)
 // One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_MODE=<0..2>
-extern "C" __global__ void __launch_bounds__(MM_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(MM_THREADS, 4)
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
       int n_sb, int T, int unused, float* __restrict__ ws, int* __restrict__ counters,
       u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {

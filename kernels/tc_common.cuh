@@ -133,6 +133,53 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 #endif
 
+// Bulk copies (sm_90 TMA, one instruction per contiguous run of bytes) completing on an mbarrier.
+// One thread arms the barrier with the byte count and issues the copies; every thread waits on the
+// barrier's phase. Elsewhere (HIP, pre-Hopper, the emulator) the copy is synchronous, done by the
+// issuing thread; the caller then needs a __syncthreads before reading (tc_bulk_sync says so).
+#if !defined(DFLASH_EMU)
+#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define TC_HAVE_TMA 1
+#endif
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#ifdef TC_HAVE_TMA
+    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+#ifdef TC_HAVE_TMA
+    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+#endif
+}
+// n bytes (a multiple of 16, 16-byte aligned both sides) global -> shared, completing on bar.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
+#ifdef TC_HAVE_TMA
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
+    const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(d), "l"(gmem), "r"(n), "r"(b) : "memory");
+#else
+    for (unsigned i = 0; i < n; i += 16) *(uint4*)((char*)smem + i) = *(const uint4*)((const char*)gmem + i);
+#endif
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#ifdef TC_HAVE_TMA
+    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+    unsigned done = 0;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(a), "r"(parity) : "memory");
+    } while (!done);
+#endif
+}
+#ifdef TC_HAVE_TMA
+#define TC_BULK_ASYNC 1
+#endif
+#endif
+
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
 // attribute may start while its predecessor drains; it must call grid_dependency_wait() before
 // reading anything the predecessor writes. Everything before the wait may only read data no kernel

@@ -148,6 +148,10 @@ inline float ldcg_f32(const float* p) { return *(volatile const float*)p; }
 inline void grid_dependency_wait() {}
 inline void cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
 inline void cp_async_commit() {}
+inline void mbar_init(unsigned long long*, unsigned) {}
+inline void mbar_expect(unsigned long long*, unsigned) {}
+inline void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long*) { std::memcpy(smem, gmem, n); }
+inline void mbar_wait(unsigned long long*, unsigned) {}
 template <int N> inline void cp_async_wait() {}
 inline void trigger_dependents() {}
 
