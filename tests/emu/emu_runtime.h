@@ -42,6 +42,7 @@ extern EmuDim gridDim;
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __constant__
+#define __align__(n) alignas(n)
 
 using std::min;
 using std::max;
