@@ -42,7 +42,7 @@ extern EmuDim gridDim;
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __constant__
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 
 using std::min;
 using std::max;
