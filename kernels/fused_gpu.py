@@ -131,7 +131,9 @@ class FusedGpu:
         return int(self.dev.ptr(a))
 
     def _smem(self, kern, nbytes: int) -> None:
-        if nbytes > 48 * 1024 and hasattr(kern, "max_dynamic_shared_size_bytes"):
+        """Allow `nbytes` of dynamic shared memory (beyond 48 KB minus the kernel's static shared
+        memory, a launch needs the function attribute raised)."""
+        if nbytes > 0 and hasattr(kern, "max_dynamic_shared_size_bytes"):
             if kern.max_dynamic_shared_size_bytes < nbytes:
                 kern.max_dynamic_shared_size_bytes = nbytes
 
