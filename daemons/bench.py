@@ -416,7 +416,8 @@ class BenchResult:
                 f"{d['decode_ms']:.2f} ms - {d['device_busy_ms']:.2f} ms of device time in the backend's operations)"
                 if d["ops"] and "graph_device_ms" not in d else
                 f"host         {d['host_overhead_ms']:.3f} ms/step of host overhead (decode step "
-                f"{d['decode_ms']:.3f} ms - {d['graph_device_ms']:.3f} ms device time of its CUDA graph)"
+                f"{d['decode_ms']:.3f} ms - {d['graph_device_ms']:.3f} ms device time of its CUDA graph"
+                f"{', programmatic dependent launch' if d.get('pdl') else ''})"
                 if "graph_device_ms" in d else "host         not measured (--no-profile)")]
         if "commit_ms" in d:
             out.insert(5, "rollback     " + ", ".join(f"W={w}: {ms:.2f} ms" for w, ms in d["commit_ms"].items())
@@ -574,6 +575,7 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
             "per_op_sum_ms": r["per_op_sum_ms"], "profiled_step_ms": float("nan"),
             "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"],
             "n_layer": hp.n_layer, "n_vocab": n_vocab, "path": "gpu_step (CUDA graph per step)",
+            "pdl": bool(getattr(b, "pdl_used", False)),
         }
         return BenchResult(data)
 

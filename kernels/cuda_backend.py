@@ -198,6 +198,9 @@ class CudaBackend:
         self._clock_khz: int | None = None
         self._fused = None
         self._tc_scratch: dict[str, Any] = {}
+        self.pdl = True                  # programmatic dependent launch in captured steps (sm_90)
+        self.pdl_used = False            # whether the last captured graph got it
+        self._pdl = None
 
     supports_fused_step = True      # daemons/qwen35_gpu.py: the step as fused kernels
     supports_graphs = True          # ... captured as CUDA graphs
@@ -224,26 +227,57 @@ class CudaBackend:
 
     def capture_graph(self, ops) -> Any:
         """Capture the launches `ops` (callables) as a CUDA graph. Every kernel is loaded and every
-        buffer allocated beforehand: nothing may compile or allocate during the capture."""
+        buffer allocated beforehand: nothing may compile or allocate during the capture. Launches
+        marked `pdl` go in with programmatic dependent launch (sm_90: a kernel starts while its
+        predecessor drains and waits in-kernel, see kernels/tc_common.cuh); if the driver refuses
+        that, the graph is captured again with plain launches."""
         cp = self._cp
         for op in ops:
             kern = getattr(op, "kernel", None)
             if kern is not None:
                 _ = kern.num_regs            # loads the function (CUDA loads modules lazily)
-            warm = getattr(op, "warm", None)
-            if warm is not None:
-                warm()
         self._device.synchronize()
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            try:
-                for op in ops:
-                    op()
-            finally:
-                graph = stream.end_capture()
-        self._device.synchronize()
-        return graph
+        use_pdl = self.pdl and self._pdl_launcher() is not None
+        for attempt in ((True, False) if use_pdl else (False,)):
+            stream = cp.cuda.Stream(non_blocking=True)
+            graph, error = None, None
+            with stream:
+                stream.begin_capture()
+                try:
+                    for op in ops:
+                        if attempt and getattr(op, "pdl", False):
+                            self._launch_pdl(op, stream)
+                        else:
+                            op()
+                except Exception as exc:        # noqa: BLE001 - retried without PDL below
+                    error = exc
+                finally:
+                    try:
+                        graph = stream.end_capture()
+                    except Exception as exc:    # noqa: BLE001
+                        error = error or exc
+            self._device.synchronize()
+            if error is None:
+                self.pdl_used = attempt
+                return graph
+            if not attempt:
+                raise error
+            self.pdl = False                     # the driver refused: plain launches from now on
+        raise RuntimeError("unreachable")
+
+    # -- programmatic dependent launch (cuLaunchKernelEx through ctypes) -------------------------
+    def _pdl_launcher(self):
+        if self._pdl is None:
+            self._pdl = False
+            if not self._cp.cuda.runtime.is_hip and int(self._device.compute_capability) >= 90:
+                try:
+                    self._pdl = _PdlLauncher()
+                except Exception:                # noqa: BLE001 - no libcuda symbol: plain launches
+                    self._pdl = False
+        return self._pdl or None
+
+    def _launch_pdl(self, op, stream) -> None:
+        self._pdl_launcher().launch(op.kernel.ptr, op.grid, op.block, op.smem, stream.ptr, op.args)
 
     def launch_graph(self, graph) -> None:
         graph.launch(self._cp.cuda.get_current_stream())
@@ -680,3 +714,60 @@ class CudaBackend:
 
     def argmax(self, logits: Any) -> np.ndarray:
         return self._cp.asnumpy(self.argmax_device(logits))
+
+
+class _PdlLauncher:
+    """cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (CuPy's launch has
+    no launch attributes). Arguments are converted the way CuPy converts them: device arrays to
+    their address, numpy scalars to their C type, None to a null pointer."""
+
+    def __init__(self):
+        import ctypes
+
+        self.ct = ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.fn = lib.cuLaunchKernelEx
+        self.fn.restype = ctypes.c_int
+
+        class Attr(ctypes.Structure):
+            _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("val", ctypes.c_ubyte * 64)]
+
+        class Config(ctypes.Structure):
+            _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                        ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint),
+                        ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("n_attrs", ctypes.c_uint)]
+
+        self.Attr, self.Config = Attr, Config
+        self.attr = Attr()
+        self.attr.id = 6                         # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self.attr.val[0] = 1                     # programmaticStreamSerializationAllowed
+
+    def _arg(self, a):
+        ct = self.ct
+        if a is None:
+            return ct.c_void_p(0)
+        if hasattr(a, "data") and hasattr(a.data, "ptr"):
+            return ct.c_void_p(int(a.data.ptr))
+        if isinstance(a, np.int32):
+            return ct.c_int(int(a))
+        if isinstance(a, np.int64):
+            return ct.c_longlong(int(a))
+        if isinstance(a, np.uint64):
+            return ct.c_ulonglong(int(a))
+        if isinstance(a, np.float32):
+            return ct.c_float(float(a))
+        if isinstance(a, np.float64):
+            return ct.c_double(float(a))
+        raise TypeError(f"cannot pass {type(a).__name__} to a kernel")
+
+    def launch(self, func_ptr: int, grid, block, smem: int, stream_ptr: int, args) -> None:
+        ct = self.ct
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        vals = [self._arg(a) for a in args]
+        params = (ct.c_void_p * len(vals))(*[ct.cast(ct.pointer(v), ct.c_void_p) for v in vals])
+        cfg = self.Config(*(int(g) for g in grid), *(int(b) for b in block), int(smem), ct.c_void_p(int(stream_ptr)),
+                          ct.pointer(self.attr), 1)
+        rc = self.fn(ct.byref(cfg), ct.c_void_p(int(func_ptr)), params, None)
+        if rc != 0:
+            raise BackendError(f"cuLaunchKernelEx failed with CUresult {rc}")

@@ -99,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
     __shared__ float vals[PREP_COLS];
     __shared__ float red[33];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
     const int count = min(PREP_COLS, K - n0);
@@ -106,6 +107,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     float inv = 1.0f;
     if (norm) {
         float ss = 0.0f;
+#pragma unroll 4
         for (int i = threadIdx.x; i < K; i += blockDim.x) {
             const float v = xr[i];
             ss += v * v;
@@ -141,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     float eps, int write_state, float* __restrict__ state_save) {
     DYN_SMEM(float, sm);
     __shared__ float red[33];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int b = blockIdx.x;
     const int C = 2 * nk * dk + nv * dv;
@@ -223,6 +226,7 @@ template <int RPT>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
                                                const int* __restrict__ n_dev, float* __restrict__ out,
                                                int nk, int nv, int dk, int dv, float scale) {
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
     const float* rec = (const float*)tbl[4 * z + 0];
@@ -316,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
     __shared__ float vals[PREP_COLS];
     __shared__ float inv_h[PREP_COLS + 1];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
     const int K = nv * dv, count = min(PREP_COLS, K - n0);
@@ -324,6 +329,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     const float* ot = o + (size_t)t * K;
     for (int h = h0 + warp; h <= h1; h += n_warps) {
         float ss = 0.0f;
+#pragma unroll 4
         for (int i = lane; i < dv; i += 32) ss += ot[h * dv + i] * ot[h * dv + i];
         ss = warp_sum(ss);
         if (lane == 0) inv_h[h - h0] = (float)(1.0 / sqrt((double)ss / (double)dv + (double)eps));
@@ -361,6 +367,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
     int n_rot, double theta) {
     __shared__ float xsm[256];
     __shared__ float red[33];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int hh = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
     const int pos = params[0] + t;
@@ -404,6 +411,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     float scale) {
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_o[ATT_WARPS][256];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -494,6 +502,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ qg, int H,
     int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
     __shared__ float vals[PREP_COLS];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
     const int count = min(PREP_COLS, H * D - n0);
@@ -540,6 +549,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int s_last;
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int c = blockIdx.x, t = blockIdx.y, n_chunks = gridDim.x;
     const int len = (V + n_chunks - 1) / n_chunks;

@@ -113,6 +113,9 @@ class Op:
     smem: int = 0
     weight_bytes: int = 0
     keep: tuple = field(default_factory=tuple)     # device arrays the arguments point into
+    # The kernel calls grid_dependency_wait() before reading what earlier launches wrote, so it may
+    # be launched with programmatic dependent launch (kernels/cuda_backend.py launch_pdl).
+    pdl: bool = True
 
     def __call__(self) -> None:
         self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
@@ -245,7 +248,7 @@ class FusedGpu:
         per_thread = 16 if qt in cb._GENERIC_MATVEC_TYPES else 1
         grid = (max(1, min((total // per_thread + 255) // 256, 65535)),)
         args = (weight.data, ids_dev, np.int32(0), out, np.int32(T), np.int32(weight.n_in), np.int32(weight.row_bytes))
-        return Op(label, kern, grid, (256,), args)
+        return Op(label, kern, grid, (256,), args, pdl=False)
 
     def op_gdn_conv(self, label: str, qkv, ldq: int, tbl, slot: int, conv_w, ab, dt_bias, ssm_a, rec, T: int,
                     nk: int, nv: int, dk: int, dv: int, kc: int, eps: float, write_state: bool, state_save=None) -> Op:
@@ -273,7 +276,7 @@ class FusedGpu:
     def op_gdn_commit_conv(self, label: str, tbl, n_slots: int, params, C: int, kc: int) -> Op:
         kern = self._k("fused.cu", "gdn_commit_conv")
         args = (tbl, params, np.int32(C), np.int32(kc))
-        return Op(label, kern, (max(1, min(-(-C // FUSED_THREADS), 1024)), n_slots), (FUSED_THREADS,), args)
+        return Op(label, kern, (max(1, min(-(-C // FUSED_THREADS), 1024)), n_slots), (FUSED_THREADS,), args, pdl=False)
 
     def op_gdn_out_prep(self, label: str, o, z, ldz: int, w, eps: float, nv: int, dv: int, act: ActBuffer, T: int) -> Op:
         kern = self._k("fused.cu", "gdn_out_prep")
