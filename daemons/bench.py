@@ -419,6 +419,8 @@ class BenchResult:
                 f"{d['decode_ms']:.3f} ms - {d['graph_device_ms']:.3f} ms device time of its CUDA graph"
                 f"{', programmatic dependent launch' if d.get('pdl') else ''})"
                 if "graph_device_ms" in d else "host         not measured (--no-profile)")]
+        if d.get("pdl_error"):
+            out.append(f"pdl          not used: {d['pdl_error']}")
         if "commit_ms" in d:
             out.insert(5, "rollback     " + ", ".join(f"W={w}: {ms:.2f} ms" for w, ms in d["commit_ms"].items())
                        + "  (commit of a verified block: replay of the kept prefix)")
@@ -575,7 +577,7 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
             "per_op_sum_ms": r["per_op_sum_ms"], "profiled_step_ms": float("nan"),
             "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"],
             "n_layer": hp.n_layer, "n_vocab": n_vocab, "path": "gpu_step (CUDA graph per step)",
-            "pdl": bool(getattr(b, "pdl_used", False)),
+            "pdl": bool(getattr(b, "pdl_used", False)), "pdl_error": getattr(b, "pdl_error", None),
         }
         return BenchResult(data)
 

@@ -200,6 +200,7 @@ class CudaBackend:
         self._tc_scratch: dict[str, Any] = {}
         self.pdl = True                  # programmatic dependent launch in captured steps (sm_90)
         self.pdl_used = False            # whether the last captured graph got it
+        self.pdl_error: str | None = None
         self._pdl = None
 
     supports_fused_step = True      # daemons/qwen35_gpu.py: the step as fused kernels
@@ -263,6 +264,7 @@ class CudaBackend:
             if not attempt:
                 raise error
             self.pdl = False                     # the driver refused: plain launches from now on
+            self.pdl_error = f"{type(error).__name__}: {error}"
         raise RuntimeError("unreachable")
 
     # -- programmatic dependent launch (cuLaunchKernelEx through ctypes) -------------------------
@@ -272,8 +274,11 @@ class CudaBackend:
             if not self._cp.cuda.runtime.is_hip and int(self._device.compute_capability) >= 90:
                 try:
                     self._pdl = _PdlLauncher()
-                except Exception:                # noqa: BLE001 - no libcuda symbol: plain launches
+                except Exception as exc:         # noqa: BLE001 - no libcuda symbol: plain launches
                     self._pdl = False
+                    self.pdl_error = f"{type(exc).__name__}: {exc}"
+            elif not self._cp.cuda.runtime.is_hip:
+                self.pdl_error = f"compute capability {self._device.compute_capability} < 9.0"
         return self._pdl or None
 
     def _launch_pdl(self, op, stream) -> None:
