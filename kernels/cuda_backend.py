@@ -282,7 +282,8 @@ class CudaBackend:
         return self._pdl or None
 
     def _launch_pdl(self, op, stream) -> None:
-        self._pdl_launcher().launch(op.kernel.ptr, op.grid, op.block, op.smem, stream.ptr, op.args)
+        fn = getattr(op.kernel, "kernel", op.kernel)      # RawKernel -> its cupy.cuda.function.Function
+        self._pdl_launcher().launch(fn.ptr, op.grid, op.block, op.smem, stream.ptr, op.args)
 
     def launch_graph(self, graph) -> None:
         graph.launch(self._cp.cuda.get_current_stream())
