@@ -42,8 +42,8 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
-from kernels.fused_gpu import (MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, TC_TYPES, ActBuffer, FusedGpu, MmWorkspace,
-                               Op, TcWeight)
+from kernels.fused_gpu import (MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, ActBuffer, FusedGpu, MmWorkspace, Op,
+                               TcWeight)
 
 __all__ = ["Qwen35GpuStep", "GpuVerifyRecord", "step_supported"]
 

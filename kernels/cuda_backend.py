@@ -22,6 +22,13 @@ Weights are uploaded once, as the GGUF file's raw bytes in ggml's block layouts 
 * more rows (prefill): `DEQUANT_TILE_BYTES` worth of weight rows at a time dequantised to f32
   and multiplied by cuBLAS.
 
+`load_matmul_weight` (what `daemons.qwen35` loads every matrix but the embedding with) instead
+repacks Q4_K, Q5_K, Q6_K, Q8_0 and F16 matrices into the tensor-core layout of
+`kernels/mma_matmul.cu` (`kernels.fused_gpu.TcWeight`: the same bytes, reordered); `matmul` runs
+those through the tensor-core kernel, and a model whose matrices all have that layout runs its
+steps through `daemons/qwen35_gpu.py` (fused kernels, CUDA graphs, `capture_graph` /
+`launch_graph`, programmatic dependent launch where the driver allows it).
+
 Kernel sources are CUDA C++ that also compiles for HIP (see the .cu headers); each module is
 compiled once per process (CuPy also keeps a disk cache) and looked up by name. Importing this
 module needs no CuPy; creating a `CudaBackend` without CuPy or without a device raises

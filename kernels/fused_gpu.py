@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -313,8 +313,3 @@ class FusedGpu:
         counters = xp.zeros(n_rows, dtype=xp.int32)
         args = (logits, np.int32(V), np.int32(ld), out_ids, part_v, part_i, counters)
         return Op(label, kern, (n_chunks, n_rows), (FUSED_THREADS,), args, keep=(part_v, part_i, counters))
-
-
-def run_ops(ops: Sequence[Callable[[], None]]) -> None:
-    for op in ops:
-        op()

@@ -41,10 +41,12 @@ def test_sigkill_mid_stream_error_then_recovery(model_path):
         old_pid = w["pid"]
         stream = client.completions.create(model="scripted", prompt="a", max_tokens=3000, stream=True)
         received = ""
+        t_kill = None
         with pytest.raises(openai.APIError) as err:
             for chunk in stream:
                 received += chunk.choices[0].text if chunk.choices else ""
-                if len(received) == 20:
+                # >= rather than ==: on a loaded machine one chunk may carry several characters
+                if t_kill is None and len(received) >= 20:
                     os.kill(old_pid, signal.SIGKILL)
                     t_kill = time.monotonic()
         # a clear error, after a correct prefix; not a success with a truncated text
