@@ -233,3 +233,29 @@ def test_speculative_decoding_equals_greedy(models):
         got = _generate(dev, prompt, n, spec)
         assert got.token_ids == greedy.token_ids, f"prompt {i}"
         assert spec.stats.steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_GPU is not None, reason=f"no GPU backend: {NO_GPU}")
+def test_real_dflash_draft_on_the_step(tmp_path):
+    """A (random) DFlash draft on a Q4_K_M-like target that runs through the GPU step: the draft
+    reads the target's tensor-core LM head and raw embedding through the backend's operations,
+    the target verifies through its graphs; output = greedy."""
+    from daemons.dflash import DFlashDraft, DFlashDrafter
+    from daemons.qwen35 import Qwen35Model
+    from daemons.speculative import SpeculativeDecoder
+    from kernels.cuda_backend import CudaBackend
+    from tests.dflash_fixtures import build_zlab_draft
+    path = tmp_path / "t.gguf"
+    _write(path, "q4_k_m")
+    model = Qwen35Model.load(path, CudaBackend())
+    assert model.gpu_step is not None
+    draft_dir = build_zlab_draft(tmp_path, model.hparams, target_layer_ids=(1, 2), mask_token_id=590, block_size=8)
+    draft = DFlashDraft.load(draft_dir, model, model.backend)
+    for seed in range(3):
+        prompt = _prompt(model.n_vocab, 16, seed=40 + seed)
+        greedy = _generate(model, prompt, 40)
+        spec = SpeculativeDecoder(model, DFlashDrafter(draft))
+        got = _generate(model, prompt, 40, spec)
+        assert got.token_ids == greedy.token_ids
+        assert spec.stats.steps > 0
