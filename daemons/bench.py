@@ -445,7 +445,7 @@ def _op_kind(label: str) -> str:
     return label.split(".", 2)[2] if label.startswith("blk.") else label
 
 
-def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, copy_bps: float, profile: bool,
+def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: bool,
                     log: Callable[[str], None]) -> dict:
     """The GPU step (daemons/qwen35_gpu.py): every step one CUDA graph launch. Decode and verify are
     timed as the serving loop runs them (greedy: only token ids come back); the graph's own device
@@ -545,11 +545,25 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, copy_bps: 
             "graph_dev_ms": graph_dev_ms, "per_op_sum_ms": per_op_sum, "ops": ops_rows}
 
 
+def _figures(model, copy_bps: float, bytes_per_step: int, total_bytes: int, prefill: int, prefill_s: float,
+             tokens: int, step_s: float, verify_ms: dict) -> dict:
+    """The figures both paths report: speeds and the fraction of the bandwidth bound."""
+    bound_s = bytes_per_step / copy_bps
+    return {
+        "model": str(model.path), "device": getattr(model.backend, "device", "cpu"), "weights_gb": total_bytes / 1e9,
+        "copy_GBps": copy_bps / 1e9, "prefill_tokens": prefill, "prefill_ms": prefill_s * 1e3,
+        "prefill_tok_s": prefill / prefill_s, "decode_steps": tokens, "context": prefill,
+        "decode_ms": step_s * 1e3, "decode_tok_s": 1.0 / step_s, "verify_ms": verify_ms,
+        "verify_23_over_decode": verify_ms.get(23, float("nan")) / (step_s * 1e3),
+        "bytes_per_step": bytes_per_step, "bound_ms": bound_s * 1e3, "bound_fraction": bound_s / step_s,
+        "n_layer": model.hparams.n_layer, "n_vocab": model.n_vocab,
+    }
+
+
 def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: int = 512, seed: int = 0,
               copy_bytes: int | None = None, profile: bool = True, log: Callable[[str], None] = print) -> BenchResult:
     """Measure `model` (a loaded Qwen35Model on any backend); see the module docstring."""
     b = model.backend
-    hp = model.hparams
     rng = np.random.default_rng(seed)
     n_vocab = model.n_vocab
     max_ctx = prefill + max(tokens, 1) + max(widths) + 16
@@ -561,24 +575,17 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
     log(f"copy bandwidth {copy_bps / 1e9:.0f} GB/s")
 
     if getattr(model, "gpu_step", None) is not None:
-        r = _bench_gpu_step(model, tokens=tokens, widths=widths, prefill=prefill, rng=rng, copy_bps=copy_bps,
-                            profile=profile, log=log)
+        r = _bench_gpu_step(model, tokens=tokens, widths=widths, prefill=prefill, rng=rng, profile=profile, log=log)
         step_s = r["step_s"]
-        bound_s = bytes_per_step / copy_bps
-        data = {
-            "model": str(model.path), "device": getattr(b, "device", "cpu"), "weights_gb": total_bytes / 1e9,
-            "copy_GBps": copy_bps / 1e9, "prefill_tokens": prefill, "prefill_ms": r["prefill_s"] * 1e3,
-            "prefill_tok_s": prefill / r["prefill_s"], "decode_steps": tokens, "context": prefill,
-            "decode_ms": step_s * 1e3, "decode_tok_s": 1.0 / step_s, "verify_ms": r["verify_ms"],
-            "commit_ms": r["commit_ms"],
-            "verify_23_over_decode": r["verify_ms"].get(23, float("nan")) / (step_s * 1e3),
-            "bytes_per_step": bytes_per_step, "bound_ms": bound_s * 1e3, "bound_fraction": bound_s / step_s,
-            "device_busy_ms": r["graph_dev_ms"], "graph_device_ms": r["graph_dev_ms"],
+        data = _figures(model, copy_bps, bytes_per_step, total_bytes, prefill, r["prefill_s"], tokens, step_s,
+                        r["verify_ms"])
+        data.update({
+            "commit_ms": r["commit_ms"], "device_busy_ms": r["graph_dev_ms"], "graph_device_ms": r["graph_dev_ms"],
             "per_op_sum_ms": r["per_op_sum_ms"], "profiled_step_ms": float("nan"),
             "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"],
-            "n_layer": hp.n_layer, "n_vocab": n_vocab, "path": "gpu_step (CUDA graph per step)",
+            "path": "gpu_step (CUDA graph per step)",
             "pdl": bool(getattr(b, "pdl_used", False)), "pdl_error": getattr(b, "pdl_error", None),
-        }
+        })
         return BenchResult(data)
 
     prompt = rng.integers(0, n_vocab, size=prefill).tolist()
@@ -661,18 +668,9 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
     # The CuPy glue between operations (residual adds, softplus, slicing into the KV cache) is
     # counted as overhead: it is launch-bound too, and a captured step would fuse it away.
     host_overhead = step_s - device_busy if profile else float("nan")
-    bound_s = bytes_per_step / copy_bps
-    data = {
-        "model": str(model.path), "device": getattr(b, "device", "cpu"), "weights_gb": total_bytes / 1e9,
-        "copy_GBps": copy_bps / 1e9, "prefill_tokens": prefill, "prefill_ms": prefill_s * 1e3,
-        "prefill_tok_s": prefill / prefill_s, "decode_steps": tokens, "context": prefill,
-        "decode_ms": step_s * 1e3, "decode_tok_s": 1.0 / step_s, "verify_ms": verify_ms,
-        "verify_23_over_decode": verify_ms.get(23, float("nan")) / (step_s * 1e3),
-        "bytes_per_step": bytes_per_step, "bound_ms": bound_s * 1e3, "bound_fraction": bound_s / step_s,
-        "device_busy_ms": device_busy * 1e3, "profiled_step_ms": profiled_wall * 1e3,
-        "host_overhead_ms": host_overhead * 1e3, "ops": ops,
-        "n_layer": hp.n_layer, "n_vocab": n_vocab,
-    }
+    data = _figures(model, copy_bps, bytes_per_step, total_bytes, prefill, prefill_s, tokens, step_s, verify_ms)
+    data.update({"device_busy_ms": device_busy * 1e3, "profiled_step_ms": profiled_wall * 1e3,
+                 "host_overhead_ms": host_overhead * 1e3, "ops": ops})
     return BenchResult(data)
 
 

@@ -31,12 +31,13 @@ Every row is computed the same way whatever T is (kernels/mma_matmul.cu "batch i
 attention split and the recurrence depend on a row's position only), so verify rows are
 bit-identical to decode steps and greedy speculative output is token for token the greedy output.
 
-The state arrays (`Qwen35State`) are used in place: the engine reads pointers to them from its state
-table, written when a different state (or a state whose arrays were replaced) is bound.
+The state arrays (`Qwen35State`) are used in place, never replaced: the engine reads pointers to
+them from its state table, written when a different state object is bound.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
@@ -144,7 +145,7 @@ class Qwen35GpuStep:
         self._slots = slots
         self.table = xp.zeros(max(1, off), dtype=xp.uint64)
         self._table_host = np.zeros(max(1, off), dtype=np.uint64)
-        self._bound: tuple | None = None
+        self._bound: weakref.ref | None = None
 
         # split-K workspace: the largest need of any launch
         need_f, need_c = 0, 0
@@ -155,9 +156,7 @@ class Qwen35GpuStep:
 
         self._plans: dict[tuple, tuple[list[Op], Any]] = {}
         self._captures: dict[tuple, list[Any]] = {}
-        self._commit_plan: tuple[list[Op], Any] | None = None
         self.generation = 0
-        self._last_record: GpuVerifyRecord | None = None
         self.graphs = bool(getattr(b, "supports_graphs", False))
 
     # -- launch groups --------------------------------------------------------------------------
@@ -187,11 +186,12 @@ class Qwen35GpuStep:
 
     # -- state binding --------------------------------------------------------------------------
     def _bind(self, state: Any) -> None:
-        ptr = self.fg.ptr
-        key = (id(state),) + tuple(ptr(state.k_cache[il]) for il in self.attn_layers) + \
-            tuple(ptr(state.conv[il]) for il in self.dn_layers) + tuple(ptr(state.ssm[il]) for il in self.dn_layers)
-        if key == self._bound:
+        """Point the state table at `state`'s arrays. The step only ever writes them in place, so a
+        state stays bound until another one is used (its arrays are read once per binding, not per
+        step)."""
+        if self._bound is not None and self._bound() is state:
             return
+        ptr = self.fg.ptr
         t = self._table_host
         s = self._slots
         for il in self.attn_layers:
@@ -208,7 +208,7 @@ class Qwen35GpuStep:
             o = s["commit_conv"] + 2 * z
             t[o:o + 2] = (ptr(self.rec_qkv[il]), ptr(state.conv[il]))
         self._upload(self.table, t)
-        self._bound = key
+        self._bound = weakref.ref(state)
 
     def _upload(self, dst, host: np.ndarray) -> None:
         if self.xp is np:
@@ -359,7 +359,6 @@ class Qwen35GpuStep:
         out, captured = self.step(ids, state, mode="verify", logits=logits, capture=capture)
         self.generation += 1
         rec = GpuVerifyRecord(n_past0=n0, n_tokens=len(ids), generation=self.generation, state_id=id(state))
-        self._last_record = rec
         return out, captured, rec
 
     def commit(self, state: Any, record: GpuVerifyRecord, n_keep: int) -> None:

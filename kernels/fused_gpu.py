@@ -227,8 +227,8 @@ class FusedGpu:
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.xs if out_act is not None else None
         ld_out = out_act.ld16 if out_act is not None else 0
-        args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), np.int32(0), ws.ws,
-                ws.counters, out16, outxs, np.int32(ld_out))
+        args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
+                outxs, np.int32(ld_out))
         return Op(label, kern, (gx,), (MM_THREADS,), args, smem, sum(w.nbytes for w in weights), tuple(keep))
 
     # -- fused kernels ----------------------------------------------------------------------------

@@ -38,7 +38,7 @@
 //
 // Work split. A thread block of 4 warps works on row blocks of 4 tiles (one per warp; for SwiGLU
 // 2 gate + 2 up tiles of the same rows) superblock by superblock, its units and activation rows
-// streamed into shared memory by a cp.async pipeline several stages deep. The flat space (row
+// streamed into shared memory by a pipeline of bulk copies (TMA) several stages deep. The flat space (row
 // block, superblock) is cut into one contiguous stripe per thread block (grid = a fixed number per
 // matrix, about two blocks per multiprocessor), so every block streams the same number of bytes
 // whatever the matrix shape; a row block cut between stripes is finished by the last of its
@@ -98,67 +98,15 @@ __device__ __forceinline__ u16 ld16(const unsigned char* p) { return *(const u16
 //   pair(unit, lane, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants)
 //   frag<S>(a)                  the A fragment of k-step S
 //   HAS_MIN / row scale d[2] (rows g, g+8) / dmin[2], amin (A of the min MMA)
-struct UnitQ4K {
-    static constexpr bool HAS_MIN = true, SCALED = true;
-    uint4 q[4];
+// The scale state of a Q4_K / Q5_K unit for one lane: its two 32-wide groups 2c, 2c+1 of rows g
+// (registers 0 and 2, nibbles at x1) and g+8 (registers 1 and 3, nibbles at x16), the mins as the A
+// operand of the min MMA, and the super-block scales d / dmin of both rows.
+struct KQuantScales {
     u32 c1[2], b1[2], c16[2], b16[2];
     u32 amin[2];
     float d[2], dmin[2];
-    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
-        const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
-        const uint4 r0 = ld128(u + 2048 + g * 16), r1 = ld128(u + 2048 + (g + 8) * 16);
-        decode(r0, c, 0);
-        decode(r1, c, 1);
-    }
     // Scale record of a row: word c = sc[2c] | sc[2c+1] << 6 | m[2c] << 12 | m[2c+1] << 18 |
     // (byte c of d | dmin << 16) << 24.
-    __device__ __forceinline__ void decode(const uint4& r, int c, int row8) {
-        const u32 w = sel4(r, c);
-        const u32 t1 = __byte_perm(r.x, r.y, 0x0073), t2 = __byte_perm(r.z, r.w, 0x0073);
-        const u32 dd = __byte_perm(t1, t2, 0x5410);
-        d[row8] = h2f((u16)(dd & 0xffffu));
-        dmin[row8] = h2f((u16)(dd >> 16));
-        const u32 sa = w & 63u, sb = (w >> 6) & 63u, ma = (w >> 12) & 63u, mb = (w >> 18) & 63u;
-        if (row8 == 0) {       // row g: registers 0 and 2, nibbles at x1
-            c1[0] = h2_int_bcast(sa); b1[0] = h2mul(c1[0], H2_M1024);
-            c1[1] = h2_int_bcast(sb); b1[1] = h2mul(c1[1], H2_M1024);
-        } else {               // row g+8: registers 1 and 3, nibbles at x16
-            const u32 ha = h2_int_bcast(sa), hb = h2_int_bcast(sb);
-            c16[0] = h2mul(ha, H2_1_16); b16[0] = h2mul(ha, H2_M64);
-            c16[1] = h2mul(hb, H2_1_16); b16[1] = h2mul(hb, H2_M64);
-        }
-        amin[row8] = h2_int_pair(ma, mb);
-    }
-    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
-    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
-        const u32 w = comp<S & 3>(q[S >> 2]);
-        constexpr int j = S >> 3;                       // scale group 2c + j
-        const u32 w8 = w >> 8;
-        a[0] = h2fma((w & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
-        a[1] = h2fma((w & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
-        a[2] = h2fma((w8 & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
-        a[3] = h2fma((w8 & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
-    }
-};
-
-struct UnitQ5K {
-    static constexpr bool HAS_MIN = true, SCALED = true;
-    uint4 q[4];
-    uint4 qh;
-    u32 c1[2], b1[2], c16[2], b16[2];
-    u32 amin[2];
-    float d[2], dmin[2];
-    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
-        const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
-        qh = ld128(u + 2048 + lane * 16);
-        const uint4 r0 = ld128(u + 2560 + g * 16), r1 = ld128(u + 2560 + (g + 8) * 16);
-        decode(r0, c, 0);
-        decode(r1, c, 1);
-    }
     __device__ __forceinline__ void decode(const uint4& r, int c, int row8) {
         const u32 w = sel4(r, c);
         const u32 t1 = __byte_perm(r.x, r.y, 0x0073), t2 = __byte_perm(r.z, r.w, 0x0073);
@@ -175,6 +123,43 @@ struct UnitQ5K {
             c16[1] = h2mul(hb, H2_1_16); b16[1] = h2mul(hb, H2_M64);
         }
         amin[row8] = h2_int_pair(ma, mb);
+    }
+    __device__ __forceinline__ void load_records(const unsigned char* rec, int lane) {
+        const int g = lane >> 2, c = lane & 3;
+        decode(ld128(rec + g * 16), c, 0);
+        decode(ld128(rec + (g + 8) * 16), c, 1);
+    }
+};
+
+struct UnitQ4K : KQuantScales {
+    static constexpr bool HAS_MIN = true, SCALED = true;
+    uint4 q[4];
+    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
+        load_records(u + 2048, lane);
+    }
+    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
+        const u32 w = comp<S & 3>(q[S >> 2]);
+        constexpr int j = S >> 3;                       // scale group 2c + j
+        const u32 w8 = w >> 8;
+        a[0] = h2fma((w & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
+        a[1] = h2fma((w & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
+        a[2] = h2fma((w8 & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
+        a[3] = h2fma((w8 & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
+    }
+};
+
+struct UnitQ5K : KQuantScales {
+    static constexpr bool HAS_MIN = true, SCALED = true;
+    uint4 q[4];
+    uint4 qh;
+    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
+        qh = ld128(u + 2048 + lane * 16);
+        load_records(u + 2560, lane);
     }
     __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
     // High bits: word S>>2 of qh; for k-step v = S & 3 the bit of (register r, half hf) sits at
@@ -350,7 +335,7 @@ __device__ __forceinline__ int stripe_owner(long long f, long long W, int G) { r
 
 template <int QT, int NT, int MODE>
 __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
-                                           const u16* __restrict__ xs, int n_sb, int T, int unused,
+                                           const u16* __restrict__ xs, int n_sb, int T,
                                            float* __restrict__ ws, int* __restrict__ counters,
                                            u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
     typedef typename UnitOf<QT>::T U;
@@ -593,9 +578,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 // One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_MODE=<0..2>
 extern "C" __global__ void __launch_bounds__(MM_THREADS, 4)
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
-      int n_sb, int T, int unused, float* __restrict__ ws, int* __restrict__ counters,
+      int n_sb, int T, float* __restrict__ ws, int* __restrict__ counters,
       u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
-    mm_tc_impl<MM_QT, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, unused, ws, counters, out16, outxs, ld_out16);
+    mm_tc_impl<MM_QT, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, ld_out16);
 }
 #else
 // ---------------------------------------------------------------------------------------------
@@ -645,6 +630,23 @@ __device__ __forceinline__ u32 k_scale_word(const unsigned char* raw, int row_by
 }
 
 // n_sb: superblocks of the tiled matrix (n_in rounded up to 256); n_sb_raw = n_in / 256 for K-quants.
+// Word o (< 2048, byte offset) of a unit's nibble region: the 8 four-bit values of one lane's
+// k-step, (register r, half hf) at bit 4r + 16hf (UnitQ4K::frag). nib(row, col) gives a value.
+template <typename Nib>
+__device__ __forceinline__ u32 nibble_word(int o, const Nib& nib) {
+    const int i = o / 512, lane = (o % 512) / 16, w = (o % 16) / 4, s = 4 * i + w;
+    u32 v = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            int row16, col;
+            elem_of(lane, s, r, hf, row16, col);
+            v |= (nib(row16, col) & 15u) << (4 * r + 16 * hf);
+        }
+    return v;
+}
+
 extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, long long n_words) {
     const int UW = 2304 / 4;
@@ -653,17 +655,11 @@ extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u3
         const long long unit = wi / UW;
         const int o = (int)(wi % UW) * 4;
         const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
-        u32 v = 0;
+        u32 v;
         if (o < 2048) {
-            const int i = o / 512, lane = (o % 512) / 16, w = (o % 16) / 4, s = 4 * i + w;
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    int row16, col;
-                    elem_of(lane, s, r, hf, row16, col);
-                    v |= k_nibble(raw, row_bytes, n_rows, n_sb, 144, 16, tile * 16 + row16, sb, col) << (4 * r + 16 * hf);
-                }
+            v = nibble_word(o, [&](int row16, int col) {
+                return k_nibble(raw, row_bytes, n_rows, n_sb, 144, 16, tile * 16 + row16, sb, col);
+            });
         } else {
             const int rr = (o - 2048) / 16, c = ((o - 2048) % 16) / 4;
             v = k_scale_word(raw, row_bytes, n_rows, n_sb, 144, tile * 16 + rr, sb, c);
@@ -682,15 +678,9 @@ extern "C" __global__ void repack_q5_k(const unsigned char* __restrict__ raw, u3
         const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
         u32 v = 0;
         if (o < 2048) {
-            const int i = o / 512, lane = (o % 512) / 16, w = (o % 16) / 4, s = 4 * i + w;
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    int row16, col;
-                    elem_of(lane, s, r, hf, row16, col);
-                    v |= k_nibble(raw, row_bytes, n_rows, n_sb, 176, 48, tile * 16 + row16, sb, col) << (4 * r + 16 * hf);
-                }
+            v = nibble_word(o, [&](int row16, int col) {
+                return k_nibble(raw, row_bytes, n_rows, n_sb, 176, 48, tile * 16 + row16, sb, col);
+            });
         } else if (o < 2560) {
             const int lane = (o - 2048) / 16, u = ((o - 2048) % 16) / 4;
             const int base_bit[4] = {4, 8, 0, 12};
@@ -741,15 +731,7 @@ extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u3
         const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
         u32 v = 0;
         if (o < 2048) {
-            const int i = o / 512, lane = (o % 512) / 16, w = (o % 16) / 4, s = 4 * i + w;
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    int row16, col;
-                    elem_of(lane, s, r, hf, row16, col);
-                    v |= (q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col) & 15u) << (4 * r + 16 * hf);
-                }
+            v = nibble_word(o, [&](int row16, int col) { return q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col); });
         } else if (o < 3072) {
             const int o2 = o - 2048;
             const int i = o2 / 512, lane = (o2 % 512) / 16, wq = (o2 % 16) / 4, m = 4 * i + wq;

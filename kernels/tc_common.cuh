@@ -34,8 +34,8 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 #if defined(DFLASH_EMU)
-// provided by emu_runtime.h: h2fma, h2sub, h2mul, h2f, f2h, mma16816_hw, shfl_xor, shfl, ldg128,
-// ldcg_f32, grid_dependency_wait, trigger_dependents
+// provided by emu_runtime.h: h2fma, h2sub, h2mul, h2f, f2h, mma16816_hw, shfl_xor, shfl, ldcg_f32,
+// grid_dependency_wait, trigger_dependents, mbar_* and bulk_copy
 #define TC_HAVE_PRIMITIVES 1
 #endif
 
@@ -68,9 +68,6 @@ __device__ __forceinline__ u16 f2h(float f) {      // round to nearest even
 __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ int shfl_xor(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ u32 shfl(u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }
-__device__ __forceinline__ uint4 ldg128(const void* p) { return __ldg((const uint4*)p); }
-__device__ __forceinline__ u32 ldg32(const void* p) { return __ldg((const unsigned int*)p); }
-__device__ __forceinline__ u16 ldg16(const void* p) { return __ldg((const unsigned short*)p); }
 // A load that skips L1 (data another block of the same grid wrote: split-K partials).
 __device__ __forceinline__ float ldcg_f32(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ void mma16816_hw(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -101,36 +98,9 @@ __device__ __forceinline__ u16 f2h(float f) { return __builtin_bit_cast(u16, (_F
 __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor(v, m, 32); }
 __device__ __forceinline__ int shfl_xor(int v, int m) { return __shfl_xor(v, m, 32); }
 __device__ __forceinline__ u32 shfl(u32 v, int src) { return __shfl(v, src, 32); }
-__device__ __forceinline__ uint4 ldg128(const void* p) { return *(const uint4*)p; }
-__device__ __forceinline__ u32 ldg32(const void* p) { return *(const unsigned int*)p; }
-__device__ __forceinline__ u16 ldg16(const void* p) { return *(const unsigned short*)p; }
 __device__ __forceinline__ float ldcg_f32(const float* p) { return __builtin_nontemporal_load(p); }
 #define MMA_PORTABLE 1
 #define TC_HAVE_PRIMITIVES 1
-#endif
-
-// Asynchronous 16-byte copies global -> shared (sm_80 cp.async, bypassing L1 and registers), in
-// commit groups; `cp_async_wait<N>` waits until at most N groups are still in flight. Elsewhere
-// (HIP, the emulator) plain copies, so the waits have nothing to wait for.
-#if !defined(DFLASH_EMU)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-#else
-    *(uint4*)smem = *(const uint4*)gmem;
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
 #endif
 
 // Bulk copies (sm_90 TMA, one instruction per contiguous run of bytes) completing on an mbarrier.

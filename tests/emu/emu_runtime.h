@@ -142,18 +142,12 @@ inline float __shfl_down_sync(unsigned, float v, int off) {
     return r;
 }
 
-inline uint4 ldg128(const void* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
-inline unsigned int ldg32(const void* p) { unsigned int v; std::memcpy(&v, p, 4); return v; }
-inline unsigned short ldg16(const void* p) { unsigned short v; std::memcpy(&v, p, 2); return v; }
 inline float ldcg_f32(const float* p) { return *(volatile const float*)p; }
 inline void grid_dependency_wait() {}
-inline void cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
-inline void cp_async_commit() {}
 inline void mbar_init(unsigned long long*, unsigned) {}
 inline void mbar_expect(unsigned long long*, unsigned) {}
 inline void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long*) { std::memcpy(smem, gmem, n); }
 inline void mbar_wait(unsigned long long*, unsigned) {}
-template <int N> inline void cp_async_wait() {}
 inline void trigger_dependents() {}
 
 // The m16n8k16 MMA from the documented fragment layout (tc_common.cuh), sums in double.
