@@ -43,19 +43,21 @@ MM_B_ROW = 264                      # halves per staged activation row (mma_matm
 MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
 
 
-def mm_smem_bytes(qtype: int, nt: int, stages: int | None = None) -> int:
-    """Dynamic shared memory of an mm_tc launch (mma_matmul.cu MmGeom: STAGES x STAGE)."""
-    stage = 4 * UNIT_BYTES[qtype] + nt * 8 * MM_B_ROW * 2 + nt * 8 * 16 * 2
+def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
+    """Dynamic shared memory of an mm_tc launch of T rows (mma_matmul.cu MmGeom: stages x stage)."""
+    has_min = qtype in (12, 13)
+    stage = 4 * UNIT_BYTES[qtype] + T * MM_B_ROW * 2 + (T * 32 if has_min else 0)
+    stage = (stage + 127) // 128 * 128
     if stages is None:
         stages = max(2, min(8, MM_SMEM_TARGET // stage))
     return stages * stage
 
 
-def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int) -> int:
+def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = 4) -> int:
     """Thread blocks of an mm_tc launch: four per multiprocessor (all resident at once), at least 4
     superblocks of work each. A function of the matrix only, never of the batch width (rows stay
     batch-invariant)."""
-    return max(1, min(4 * n_sm, (n_rb * n_sb) // 4))
+    return max(1, min(per_sm * n_sm, (n_rb * n_sb) // 4))
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,13 +178,13 @@ class FusedGpu:
         return TcWeight(str(name), qtype, int(n_out), int(n_in), n_sb, n_tiles, n_out * row_bytes, out)
 
     # -- matmul ---------------------------------------------------------------------------------
-    def mm_grid(self, weights: Sequence[TcWeight], mode: int) -> tuple[int, int]:
-        """(thread blocks, row blocks) of a launch over `weights`."""
+    def mm_grid(self, weights: Sequence[TcWeight], mode: int, per_sm: int = 4) -> tuple[int, int]:
+        """(thread blocks, row blocks) of a launch over `weights` (per_sm: benchmarks' MM_GRID)."""
         if mode == MODE_SWIGLU:
             n_rb = -(-weights[0].n_tiles // 2)
         else:
             n_rb = sum(-(-w.n_tiles // 4) for w in weights)
-        return mm_grid_blocks(n_rb, weights[0].n_sb, self.n_sm), n_rb
+        return mm_grid_blocks(n_rb, weights[0].n_sb, self.n_sm, per_sm), n_rb
 
     def workspace_need(self, weights: Sequence[TcWeight], mode: int) -> tuple[int, int]:
         """(floats, counters) a launch needs at the widest batch: two partial row blocks per thread
@@ -206,7 +208,8 @@ class FusedGpu:
         if mode == MODE_SWIGLU and (len(segs) != 2 or weights[0].n_out != weights[1].n_out or out_act is None):
             raise ValueError(f"{label}: SwiGLU needs gate and up of one shape and an output buffer")
         nt = -(-T // 8)
-        gx, n_rb = self.mm_grid(weights, mode)
+        per_sm = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_GRID=")), 4)
+        gx, n_rb = self.mm_grid(weights, mode, per_sm)
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
         keep = [act.x16, act.xs]
         for i, (w, y, off, ldy) in enumerate(segs):
@@ -222,7 +225,7 @@ class FusedGpu:
             raise ValueError(f"{label}: workspace too small")
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))
         stages = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_STAGES=")), None)
-        smem = mm_smem_bytes(qt, nt, stages)
+        smem = mm_smem_bytes(qt, T, stages)
         self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.xs if out_act is not None else None

@@ -269,29 +269,37 @@ template <> struct UnitOf<QT_F16> { typedef UnitF16 T; };
 
 __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z)); }
 
-// Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes).
+// Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes). A
+// stage holds the row block's 4 units, then the T activation rows actually used (row stride
+// MM_B_ROW halves: bank spread), then their block sums (K-quants with mins); it is sized by T so
+// that a decode step (T = 1) gets the deepest pipeline the shared-memory target allows.
 #define MM_B_ROW 264                       // halves per staged activation row (256 + 8: bank spread)
 #define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
-template <int QT, int NT> struct MmGeom {
+template <int QT> struct MmGeom {
     static constexpr int UNIT = UnitBytes<QT>::v;
     static constexpr int A_BYTES = 4 * UNIT;
-    static constexpr int B_BYTES = NT * 8 * MM_B_ROW * 2;
-    static constexpr int XS_BYTES = NT * 8 * 16 * 2;
-    static constexpr int STAGE = A_BYTES + B_BYTES + XS_BYTES;
+    static constexpr bool HAS_MIN = UnitOf<QT>::T::HAS_MIN;
+    __device__ static int xs_off(int n_rows) { return A_BYTES + n_rows * MM_B_ROW * 2; }
+    __device__ static int stage(int n_rows) { return (xs_off(n_rows) + (HAS_MIN ? n_rows * 32 : 0) + 127) & ~127; }
+    __device__ static int stages(int n_rows) {
 #ifdef MM_STAGES       // benchmarks (tests/bench/bench_mm_gpu.py --variants) try other depths
-    static constexpr int STAGES = MM_STAGES;
+        return MM_STAGES;
 #else
-    static constexpr int STAGES = MM_SMEM_TARGET / STAGE < 2 ? 2 : (MM_SMEM_TARGET / STAGE > 8 ? 8 : MM_SMEM_TARGET / STAGE);
+        const int n = MM_SMEM_TARGET / stage(n_rows);
+        return n < 2 ? 2 : (n > 8 ? 8 : n);
 #endif
+    }
 };
 
 // One pair of k-steps (2p, 2p+1) of the warp's tile; activations from the stage.
+// brow[nt]: the staged row behind MMA column g of tile nt (columns past T repeat the last row).
 template <typename U, int NT, int P>
-__device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const u16* sb_x, int lane, float (&tm)[NT][4]) {
-    const int g = lane >> 2, c = lane & 3;
+__device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const u16* sb_x, const int (&brow)[NT], int lane,
+                                        float (&tm)[NT][4]) {
+    const int c = lane & 3;
     uint4 bq[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + (nt * 8 + g) * MM_B_ROW + P * 32 + c * 8);
+    for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + brow[nt] * MM_B_ROW + P * 32 + c * 8);
     un.pair(ub, lane, P);
     u32 a[4];
     un.template frag<2 * P>(a);
@@ -333,115 +341,274 @@ __device__ __forceinline__ void slot_tile(int seg, int lrb, int q, int& s, int& 
 // [i*W/G, (i+1)*W/G).
 __device__ __forceinline__ int stripe_owner(long long f, long long W, int G) { return (int)(((f + 1) * G - 1) / W); }
 
+// SwiGLU epilogue of one row block from its sums in shared memory (rows 0..31 gate, 32..63 up of
+// features lrb*32 .. +31): the next product's act16 and its 32-column block sums.
+#define MM_SROW 68                               // padded smem row of a row block's result
+__device__ __forceinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int T, int n_ff, int tid,
+                                                   u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
+    constexpr int F = 32, GROUPS = F / 8;
+    const int items = T * GROUPS;
+    for (int base = 0; base < items; base += MM_THREADS) {
+        const int item = base + tid;
+        const bool valid = item < items;
+        const int tok = valid ? item / GROUPS : 0, grp = item % GROUPS;
+        const int f0f = lrb * F + grp * 8;
+        float sum = 0.0f;
+        if (valid && f0f < n_ff) {
+            u32 packed[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const float g0 = sres[tok * MM_SROW + grp * 8 + e], g1 = sres[tok * MM_SROW + grp * 8 + e + 1];
+                const float u0 = sres[tok * MM_SROW + F + grp * 8 + e], u1 = sres[tok * MM_SROW + F + grp * 8 + e + 1];
+                const u16 h0 = f2h(silu_f(g0) * u0), h1 = f2h(silu_f(g1) * u1);
+                sum += h2f(h0);
+                sum += h2f(h1);
+                packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
+            }
+            *(uint4*)(out16 + (size_t)tok * ld_out16 + act_pos(f0f)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
+        sum += shfl_xor(sum, 1);
+        sum += shfl_xor(sum, 2);
+        if (valid && (grp & 3) == 0 && f0f < n_ff && outxs != nullptr) {
+            const u16 hi = f2h(sum);
+            const u16 lo = f2h(sum - h2f(hi));
+            u16* xr = outxs + (size_t)tok * (ld_out16 / 16);
+            xr[xs_pos(f0f >> 5)] = hi;
+            xr[xs_pos(f0f >> 5) + 2] = lo;
+        }
+    }
+}
+
+// A row block wholly inside this stripe: STORE / ADD straight from the MMA fragments (no barrier);
+// SwiGLU through shared memory (gate and up rows sit in different warps).
+template <int NT, int MODE>
+__device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], const MmSeg* s_segs, int seg, int lrb, int warp,
+                                                 int lane, int T, float* sres, u16* __restrict__ out16,
+                                                 u16* __restrict__ outxs, int ld_out16) {
+    const int g = lane >> 2, c = lane & 3;
+    if (MODE != MODE_SWIGLU) {
+        const MmSeg& sg = s_segs[seg];
+        float* y = (float*)sg.y;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int tok = nt * 8 + 2 * c + (i & 1);
+                const int row = lrb * 64 + warp * 16 + g + 8 * (i >> 1);
+                if (tok < T && row < sg.n_rows) {
+                    if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += acc[nt][i];
+                    else y[(size_t)tok * sg.ldy + row] = acc[nt][i];
+                }
+            }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int tok = nt * 8 + 2 * c + (i & 1);
+                if (tok < T) sres[tok * MM_SROW + warp * 16 + g + 8 * (i >> 1)] = acc[nt][i];
+            }
+        __syncthreads();
+        mm_swiglu_epilogue(sres, lrb, T, s_segs[0].n_rows, threadIdx.x, out16, outxs, ld_out16);
+        __syncthreads();
+    }
+}
+
 template <int QT, int NT, int MODE>
 __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
                                            const u16* __restrict__ xs, int n_sb, int T,
                                            float* __restrict__ ws, int* __restrict__ counters,
                                            u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
     typedef typename UnitOf<QT>::T U;
-    typedef MmGeom<QT, NT> G;
+    typedef MmGeom<QT> G;
     constexpr int UNIT = G::UNIT;
     constexpr int ROWS = 64;                     // rows (4 tiles) per row block
-    constexpr int SROW = ROWS + 4;               // padded smem row (bank spread of fragment stores)
-    DYN_SMEM(unsigned char, smem);               // STAGES pipeline stages
-    __shared__ float sres[32 * SROW];            // one row block's result
-    __shared__ int s_last;
+    constexpr int SROW = MM_SROW;
+    DYN_SMEM(unsigned char, smem);               // n_stages pipeline stages
+    __shared__ float sres[MODE == MODE_SWIGLU ? 32 * SROW : 1];   // a SwiGLU row block's result
+    __shared__ int s_last[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-    const int n_rows_b = min(T, NT * 8);         // activation rows worth copying
+    const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
+    const int STAGE = G::stage(n_rows_b), n_stages = G::stages(n_rows_b), XS_OFF = G::xs_off(n_rows_b);
+    int brow[NT];                                // MMA columns past T read the last real row
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) brow[nt] = min(nt * 8 + g, n_rows_b - 1);
 
     // This block's stripe of the flat (row block, superblock) space: the split depends on the
     // matrix and the grid only (never on T), so every row is summed in the same order whatever T.
+    // Flat indices stay 32-bit and advance incrementally: 64-bit divisions in the loop cost more
+    // issue slots than the copies they address.
     int n_rb = 0;
     if (MODE == MODE_SWIGLU) n_rb = (segs[0].n_tiles + 1) >> 1;
     else
         for (int s = 0; s < n_segs; ++s) n_rb += (segs[s].n_tiles + 3) >> 2;
-    const long long W = (long long)n_rb * n_sb;
+    const int W = n_rb * n_sb;
     const int Gn = gridDim.x;
-    const long long f0 = (long long)blockIdx.x * W / Gn, f1 = (long long)(blockIdx.x + 1) * W / Gn;
+    const int f0 = (int)((long long)blockIdx.x * W / Gn), f1 = (int)((long long)(blockIdx.x + 1) * W / Gn);
     const int ld_x = n_sb * 256, ld_xs = n_sb * 16;
 
-    // Stage k holds flat superblock f: the row block's 4 units, the activation rows (only the T
-    // real ones are copied: the MMA columns of the others are never read), their block sums. One
-    // thread issues the stage as bulk copies completing on the stage's mbarrier (TMA on sm_90).
+    // Stage k holds flat superblock f: the row block's 4 units, the T activation rows, their block
+    // sums. Warp 0 issues each stage as bulk copies completing on the stage's mbarrier (TMA on
+    // sm_90): lane 0 the units, lane r activation row r. Its cursor walks the stripe ahead of the
+    // consumers by n_stages - 1 superblocks.
     __shared__ MmSeg s_segs[4];
     __shared__ __align__(8) unsigned long long s_bar[8];
     if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
     if (tid == 0)
-        for (int k = 0; k < G::STAGES; ++k) mbar_init(&s_bar[k], 1);
+        for (int k = 0; k < n_stages; ++k) mbar_init(&s_bar[k], 1);
     __syncthreads();
     const unsigned b_bytes = (unsigned)n_rows_b * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
-    auto issue_a = [&](int k, long long f) {       // thread 0: arm the barrier, copy the weights
-        if (f < f1) {
-            const int rb = (int)(f / n_sb), sb = (int)(f % n_sb);
-            int seg, lrb;
-            rb_locate<MODE>(s_segs, n_segs, rb, seg, lrb);
-            unsigned char* st = smem + k * G::STAGE;
-            unsigned bytes = b_bytes;
-            int tiles[4], ss[4];
+    int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
+    rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
+    auto issue_w = [&]() {                       // lane 0 of warp 0: arm the barrier, copy the units
+        int tiles[4], ss[4];
+        unsigned bytes = b_bytes;
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                slot_tile<MODE>(seg, lrb, q, ss[q], tiles[q]);
-                if (tiles[q] < s_segs[ss[q]].n_tiles) bytes += UNIT;
-            }
-            mbar_expect(&s_bar[k], bytes);
+        for (int q = 0; q < 4; ++q) {
+            slot_tile<MODE>(i_seg, i_lrb, q, ss[q], tiles[q]);
+            if (tiles[q] < s_segs[ss[q]].n_tiles) bytes += UNIT;
+        }
+        unsigned char* st = smem + i_k * STAGE;
+        mbar_expect(&s_bar[i_k], bytes);
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                if (tiles[q] < s_segs[ss[q]].n_tiles)
-                    bulk_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + sb) * UNIT,
-                              UNIT, &s_bar[k]);
+        for (int q = 0; q < 4; ++q)
+            if (tiles[q] < s_segs[ss[q]].n_tiles)
+                bulk_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + i_sb) * UNIT,
+                          UNIT, &s_bar[i_k]);
+    };
+    auto issue_x = [&](int k, int sb) {          // lane r < T of warp 0: activation row r and its sums
+        if (lane < n_rows_b) {
+            unsigned char* st = smem + k * STAGE;
+            bulk_copy(st + G::A_BYTES + lane * (MM_B_ROW * 2), x16 + (size_t)lane * ld_x + (size_t)sb * 256, 512u,
+                      &s_bar[k]);
+            if (U::HAS_MIN)
+                bulk_copy(st + XS_OFF + lane * 32, xs + (size_t)lane * ld_xs + (size_t)sb * 16, 32u, &s_bar[k]);
         }
     };
-    auto issue_b = [&](int k, long long f) {       // thread 0: the activation rows
-        if (f < f1) {
-            const int sb = (int)(f % n_sb);
-            unsigned char* st = smem + k * G::STAGE;
-            u16* sx = (u16*)(st + G::A_BYTES);
-            for (int row = 0; row < n_rows_b; ++row)
-                bulk_copy(sx + row * MM_B_ROW, x16 + (size_t)row * ld_x + (size_t)sb * 256, 512u, &s_bar[k]);
-            if (U::HAS_MIN) {
-                u16* sxs = (u16*)(st + G::A_BYTES + G::B_BYTES);
-                for (int row = 0; row < n_rows_b; ++row)
-                    bulk_copy(sxs + row * 16, xs + (size_t)row * ld_xs + (size_t)sb * 16, 32u, &s_bar[k]);
-            }
+    auto advance = [&]() {
+        ++i_f;
+        if (++i_k == n_stages) i_k = 0;
+        if (++i_sb == n_sb) {
+            i_sb = 0;
+            ++i_rb;
+            rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
         }
     };
 
     // Weights do not depend on the previous kernel: their first stages are requested before
     // waiting for it (programmatic dependent launch), the activations after.
-    if (tid == 0)
-        for (int k = 0; k < G::STAGES - 1; ++k) issue_a(k, f0 + k);
+    const int n_pro = min(n_stages - 1, f1 - f0);
+    if (warp == 0) {
+        for (int k = 0; k < n_pro; ++k) {
+            if (lane == 0) issue_w();
+            advance();
+        }
+    }
     grid_dependency_wait();
-    if (tid == 0)
-        for (int k = 0; k < G::STAGES - 1; ++k) issue_b(k, f0 + k);
+    if (warp == 0) {
+        int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
+        for (int k = 0; k < n_pro; ++k) {
+            issue_x(k, sbk);
+            if (++sbk == n_sb) sbk = 0;
+        }
+    }
 
     float acc[NT][4];
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
-    long long f_start = f0;                      // first superblock of the current row block in this stripe
-    for (long long f = f0; f < f1; ++f) {
-        const int k = (int)((f - f0) % G::STAGES);
-        const int rb = (int)(f / n_sb), sb = (int)(f % n_sb);
+    int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it
+    int k = 0, rb = f0 / max(n_sb, 1), sb = f0 - rb * n_sb;
+    unsigned phase = 0;
+    // A cut row block's partial sums, in this block's workspace slot (1 when it is the row block's
+    // first part, else 0; a stripe cuts at most two row blocks, its first and its last).
+    auto put_partial = [&](int rbx, const float (&a)[NT][4]) {
+        const int first = stripe_owner((long long)rbx * n_sb, W, Gn);
+        const int slot = (int)blockIdx.x == first ? 1 : 0;
+        float* part = ws + ((size_t)blockIdx.x * 2 + slot) * (size_t)(T * ROWS);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int tok = nt * 8 + 2 * c + (i & 1);
+                if (tok < T) part[tok * ROWS + warp * 16 + g + 8 * (i >> 1)] = a[nt][i];
+            }
+    };
+    // A cut row block: store this stripe's partial; the last of its stripes to arrive adds all of
+    // them in stripe order (deterministic, whatever T) and runs the epilogue. Every thread calls it.
+    auto exchange = [&](int rbx, const float (&a)[NT][4]) {
+        const int n_el = T * ROWS;
+        const long long fa = (long long)rbx * n_sb;
+        const int first = stripe_owner(fa, W, Gn), n_part = stripe_owner(fa + n_sb - 1, W, Gn) - first + 1;
+        put_partial(rbx, a);
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) s_last[0] = atomicAdd(&counters[rbx], 1) == n_part - 1;
+        __syncthreads();
+        if (!s_last[0]) return;
+        __threadfence();
+        int sgx, lrx;
+        rb_locate<MODE>(s_segs, n_segs, rbx, sgx, lrx);
+        // The partials' loads are issued four at a time (they are independent), then added in order.
+        auto sum_parts = [&](int i) {
+            float v = 0.0f;
+            const float* base = ws + (size_t)i;
+            int p = first;
+            for (; p + 4 <= first + n_part; p += 4) {
+                float l[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    l[j] = ldcg_f32(base + ((size_t)(p + j) * 2 + (p + j == first ? 1 : 0)) * (size_t)n_el);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v += l[j];
+            }
+            for (; p < first + n_part; ++p) v += ldcg_f32(base + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el);
+            return v;
+        };
+        if (MODE == MODE_SWIGLU) {
+            for (int i = tid; i < n_el; i += MM_THREADS) sres[(i / ROWS) * SROW + (i % ROWS)] = sum_parts(i);
+            __syncthreads();
+            mm_swiglu_epilogue(sres, lrx, T, s_segs[0].n_rows, tid, out16, outxs, ld_out16);
+        } else {
+            const MmSeg& sg = s_segs[sgx];
+            float* y = (float*)sg.y;
+            for (int i = tid; i < n_el; i += MM_THREADS) {
+                const int tok = i / ROWS, row = lrx * ROWS + i % ROWS;
+                if (row < sg.n_rows) {
+                    const float v = sum_parts(i);
+                    if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += v;
+                    else y[(size_t)tok * sg.ldy + row] = v;
+                }
+            }
+        }
+        if (tid == 0) counters[rbx] = 0;
+        __syncthreads();                         // sres and s_last are reused
+    };
+    auto next_sb = [&]() {
+        if (++k == n_stages) { k = 0; phase ^= 1u; }
+        if (++sb == n_sb) { sb = 0; ++rb; }
+    };
+    for (int f = f0; f < f1; ++f, next_sb()) {
         if (f == f0 || sb == 0) {                // a new row block
             rb_locate<MODE>(s_segs, n_segs, rb, seg, lrb);
             slot_tile<MODE>(seg, lrb, warp, s_w, tile_w);
             ok = tile_w < s_segs[s_w].n_tiles;
-            f_start = f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
         }
         __syncthreads();                         // everyone is done with the stage refilled below
-        if (tid == 0) {
-            const int kn = (k + G::STAGES - 1) % G::STAGES;
-            issue_a(kn, f + G::STAGES - 1);
-            issue_b(kn, f + G::STAGES - 1);
+        if (warp == 0 && i_f < f1) {
+            if (lane == 0) issue_w();
+            warp_sync();
+            issue_x(i_k, i_sb);
+            advance();
         }
 #ifndef TC_BULK_ASYNC
-        __syncthreads();                         // synchronous copies: thread 0's must be visible
+        __syncthreads();                         // synchronous copies: warp 0's must be visible
 #endif
-        mbar_wait(&s_bar[k], (unsigned)(((f - f0) / G::STAGES) & 1));   // this superblock has landed
-        const unsigned char* st = smem + k * G::STAGE;
+        mbar_wait(&s_bar[k], phase);             // this superblock has landed
+        const unsigned char* st = smem + k * STAGE;
 #ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
         if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
 #else
@@ -455,20 +622,20 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
-            mm_pair<U, NT, 0>(un, us, sb_x, lane, tm);
-            mm_pair<U, NT, 1>(un, us, sb_x, lane, tm);
-            mm_pair<U, NT, 2>(un, us, sb_x, lane, tm);
-            mm_pair<U, NT, 3>(un, us, sb_x, lane, tm);
-            mm_pair<U, NT, 4>(un, us, sb_x, lane, tm);
-            mm_pair<U, NT, 5>(un, us, sb_x, lane, tm);
-            mm_pair<U, NT, 6>(un, us, sb_x, lane, tm);
-            mm_pair<U, NT, 7>(un, us, sb_x, lane, tm);
+            mm_pair<U, NT, 0>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 1>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 2>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 3>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 4>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 5>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 6>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 7>(un, us, sb_x, brow, lane, tm);
             if (U::HAS_MIN) {
-                const u16* sxs = (const u16*)(st + G::A_BYTES + G::B_BYTES);
+                const u16* sxs = (const u16*)(st + XS_OFF);
                 const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bm = *(const uint2*)(sxs + (nt * 8 + g) * 16 + c * 4);
+                    const uint2 bm = *(const uint2*)(sxs + brow[nt] * 16 + c * 4);
                     float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     mma16816(mn, am, bm.x, bm.y);
 #pragma unroll
@@ -481,96 +648,37 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i)
+                    for (int i = 0; i < 4; ++i) {
                         acc[nt][i] = U::SCALED ? fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]) : acc[nt][i] + tm[nt][i];
+                    }
             }
         }
 #endif
         if (sb != n_sb - 1 && f != f1 - 1) continue;
-
+#ifdef MM_NO_EXCHANGE     // benchmarks: no epilogue (the result only kept alive)
+        if (acc[0][0] == 1234.5f) ws[tid] = acc[NT - 1][3];
+        continue;
+#endif
         // ---- the row block's part in this stripe is done ----------------------------------------
-        const long long fa = (long long)rb * n_sb, fb = fa + n_sb - 1;
-        const int first = stripe_owner(fa, W, Gn), n_part = stripe_owner(fb, W, Gn) - first + 1;
-        const int n_el = T * ROWS;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = warp * 16 + g + 8 * (i >> 1);
-                const int tok = nt * 8 + 2 * c + (i & 1);
-                sres[tok * SROW + row] = acc[nt][i];
-            }
-        __syncthreads();
-        if (n_part > 1) {                        // several stripes share the row block: add in stripe order
-            // A stripe holds at most two shared row blocks: its first (slot 0) and its last (slot 1).
-            const int slot = (int)blockIdx.x == first ? 1 : 0;
-            float* part = ws + ((size_t)blockIdx.x * 2 + slot) * (size_t)n_el;
-            for (int i = tid; i < n_el; i += MM_THREADS) part[i] = sres[(i / ROWS) * SROW + (i % ROWS)];
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) s_last = atomicAdd(&counters[rb], 1) == n_part - 1;
-            __syncthreads();
-            if (!s_last) continue;
-            __threadfence();
-            for (int i = tid; i < n_el; i += MM_THREADS) {
-                float v = 0.0f;
-                for (int p = first; p < first + n_part; ++p)
-                    v += ldcg_f32(ws + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el + i);
-                sres[(i / ROWS) * SROW + (i % ROWS)] = v;
-            }
-            if (tid == 0) counters[rb] = 0;
-            __syncthreads();
-        }
-        if (MODE != MODE_SWIGLU) {
-            const MmSeg& sg = segs[seg];
-            float* y = (float*)sg.y;
-            for (int i = tid; i < n_el; i += MM_THREADS) {
-                const int tok = i / ROWS, rr = i % ROWS;
-                const int row = lrb * ROWS + rr;
-                if (row < sg.n_rows) {
-                    const float v = sres[tok * SROW + rr];
-                    if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += v;
-                    else y[(size_t)tok * sg.ldy + row] = v;
-                }
-            }
+        // A row block wholly in this stripe is written at once; one cut between stripes (only the
+        // stripe's first and last can be) is exchanged.
+        const bool is_head = rb * n_sb < f0, is_tail = (rb + 1) * n_sb > f1;
+        if (is_tail) {
+            tail_rb = rb;                        // the stripe's last superblock: exchanged after the loop
+        } else if (is_head) {
+#ifndef MM_NO_EXCHANGE
+            exchange(rb, acc);
+#endif
         } else {
-            // features lrb*32 .. +31: gate at smem rows 0..31, up at 32..63
-            constexpr int F = 32, GROUPS = F / 8;
-            const int n_ff = segs[0].n_rows;
-            const int items = T * GROUPS;
-            for (int base = 0; base < items; base += MM_THREADS) {
-                const int item = base + tid;
-                const bool valid = item < items;
-                const int tok = valid ? item / GROUPS : 0, grp = item % GROUPS;
-                const int f0f = lrb * F + grp * 8;
-                float sum = 0.0f;
-                if (valid && f0f < n_ff) {
-                    u32 packed[4];
-#pragma unroll
-                    for (int e = 0; e < 8; e += 2) {
-                        const float g0 = sres[tok * SROW + grp * 8 + e], g1 = sres[tok * SROW + grp * 8 + e + 1];
-                        const float u0 = sres[tok * SROW + F + grp * 8 + e], u1 = sres[tok * SROW + F + grp * 8 + e + 1];
-                        const u16 h0 = f2h(silu_f(g0) * u0), h1 = f2h(silu_f(g1) * u1);
-                        sum += h2f(h0);
-                        sum += h2f(h1);
-                        packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
-                    }
-                    *(uint4*)(out16 + (size_t)tok * ld_out16 + act_pos(f0f)) =
-                        make_uint4(packed[0], packed[1], packed[2], packed[3]);
-                }
-                sum += shfl_xor(sum, 1);
-                sum += shfl_xor(sum, 2);
-                if (valid && (grp & 3) == 0 && f0f < n_ff && outxs != nullptr) {
-                    const u16 hi = f2h(sum);
-                    const u16 lo = f2h(sum - h2f(hi));
-                    u16* xr = outxs + (size_t)tok * (ld_out16 / 16);
-                    xr[xs_pos(f0f >> 5)] = hi;
-                    xr[xs_pos(f0f >> 5) + 2] = lo;
-                }
-            }
+            mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs, ld_out16);
         }
-        __syncthreads();                         // sres is reused by the next row block
     }
+
+#ifndef MM_NO_EXCHANGE
+    if (tail_rb >= 0) exchange(tail_rb, acc);
+#endif
+    // Only now may the next kernel launch: triggered at the start (its blocks then wait resident
+    // beside this grid's), the 27B decode step ran 0.5 ms slower.
     trigger_dependents();
 }
 

@@ -103,6 +103,16 @@ __device__ __forceinline__ float ldcg_f32(const float* p) { return __builtin_non
 #define TC_HAVE_PRIMITIVES 1
 #endif
 
+// Every lane of the warp reaches this point before any goes on (lanes that issue copies after
+// lane 0 armed the barrier).
+#if defined(DFLASH_EMU)
+inline void warp_sync() { emu_warp_sync(); }
+#elif defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ void warp_sync() { __builtin_amdgcn_wave_barrier(); }
+#else
+__device__ __forceinline__ void warp_sync() { __syncwarp(); }
+#endif
+
 // Bulk copies (sm_90 TMA, one instruction per contiguous run of bytes) completing on an mbarrier.
 // One thread arms the barrier with the byte count and issues the copies; every thread waits on the
 // barrier's phase. Elsewhere (HIP, pre-Hopper, the emulator) the copy is synchronous, done by the

@@ -4,6 +4,9 @@ projections one decode / verify step runs, against the copy bandwidth measured i
     python3 tests/bench/bench_mm_gpu.py [--widths 1,23] [--ncu-once]
 
 --ncu-once runs each case once and exits (for `ncu --kernel-name mm_tc`, which then profiles them).
+Each figure is the mean of 20 launches queued back to back between two events (as in a graph: no
+host gap); `--stream` adds a plain read of the same bytes (16-byte loads, 2048 threads per
+multiprocessor), the ceiling a kernel of that size can reach.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1,23")
     ap.add_argument("--ncu-once", action="store_true")
     ap.add_argument("--cases", default="")
+    ap.add_argument("--stream", action="store_true")
     ap.add_argument("--variants", default="", help="';'-separated define sets, e.g. 'MM_STAGES=4;MM_NO_COMPUTE=1'")
     args = ap.parse_args()
     gpu = CudaBackend()
@@ -50,6 +54,8 @@ def main() -> None:
     del a, b
     print(f"copy {copy_gbs:.0f} GB/s")
     widths = [int(w) for w in args.widths.split(",")]
+    stream = cp.RawKernel(STREAM_SRC, "stream_read") if args.stream else None
+    sink = cp.zeros(1, dtype=cp.uint32)
     sel = [c for c in CASES if not args.cases or any(k in c[0] for k in args.cases.split(","))]
     for label, qt, n_out, n_in, mode in sel:
         pool = ggml_quants.random_raw(qt, 256, n_in, rng, scale_range=(2.0 ** -16, 2.0 ** -13))
@@ -61,7 +67,8 @@ def main() -> None:
         act.x16[...] = cp.asarray(rng.standard_normal(act.x16.shape).astype(np.float16).view(np.uint16))
         out_act = ActBuffer(cp, n_out) if mode == MODE_SWIGLU else None
         y = cp.zeros((32, n_out), dtype=cp.float32)
-        ws = MmWorkspace(cp, *fg.workspace_need(ws_, mode))
+        need_f, need_c = fg.workspace_need(ws_, mode)
+        ws = MmWorkspace(cp, 4 * need_f, need_c)       # room for --variants MM_GRID=<up to 16>
         variants = [()] + [tuple(v.split(",")) for v in args.variants.split(";") if v]
         for T, variant in [(T, v) for T in widths for v in variants]:
             segs = [(w, None if mode == MODE_SWIGLU else y, 0, n_out) for w in ws_]
@@ -71,15 +78,46 @@ def main() -> None:
                 continue
             for _ in range(3):
                 op()
-            ts = []
-            for _ in range(20):
-                ev0.record(); op(); ev1.record(); ev1.synchronize()
-                ts.append(cp.cuda.get_elapsed_time(ev0, ev1))
-            ms = float(np.median(ts))
+            ms = _timed(cp, op, ev0, ev1)
             nbytes = sum(w.nbytes for w in ws_)
             print(f"{label:18s} {','.join(variant) or 'default':24s} T={T:2d} grid {str(op.grid):12s} smem {op.smem // 1024:3d} KB  {ms * 1e3:8.1f} us  "
                   f"{nbytes / (ms / 1e3) / 1e9:6.0f} GB/s  ({100 * nbytes / (ms / 1e3) / 1e9 / copy_gbs:4.1f}% of copy)")
+        if stream is not None:
+            for w in ws_:
+                n16 = w.data.size // 16
+                grid = (gpu.multiprocessors * 8,)
+                ms = _timed(cp, lambda: stream(grid, (256,), (w.data, np.int64(n16), sink)), ev0, ev1)
+                print(f"{label:18s} {'stream read':24s}      {w.data.size / 1e6:8.1f} MB        {ms * 1e3:8.1f} us  "
+                      f"{w.data.size / (ms / 1e3) / 1e9:6.0f} GB/s  ({100 * w.data.size / (ms / 1e3) / 1e9 / copy_gbs:4.1f}% of copy)")
     cp.cuda.Device().synchronize()
+
+
+STREAM_SRC = r"""
+extern "C" __global__ void stream_read(const uint4* __restrict__ p, long long n, unsigned* out) {
+    unsigned acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
+        acc ^= a.x ^ b.y ^ c.z ^ d.w;
+    }
+    for (; i < n; i += stride) acc ^= __ldcs(p + i).x;
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+"""
+
+
+def _timed(cp, fn, ev0, ev1, n: int = 20) -> float:
+    """Milliseconds per call of fn, n calls queued back to back between two events (median of 3)."""
+    out = []
+    for _ in range(3):
+        ev0.record()
+        for _ in range(n):
+            fn()
+        ev1.record()
+        ev1.synchronize()
+        out.append(cp.cuda.get_elapsed_time(ev0, ev1) / n)
+    return float(np.median(out))
 
 
 if __name__ == "__main__":
