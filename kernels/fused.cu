@@ -104,25 +104,38 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
     const int count = min(PREP_COLS, K - n0);
     const float* xr = x + (size_t)(row0 + t) * ld_x;
+    // This block's own columns are requested first, so that their loads overlap the reduction's.
+    float v = 0.0f, wv = 1.0f;
+    if ((int)threadIdx.x < count) {
+        v = xr[n0 + threadIdx.x];
+        if (norm && w != nullptr) wv = w[n0 + threadIdx.x];
+    }
     float inv = 1.0f;
     if (norm) {
+        // The row's sum of squares: 16-byte loads, eight per thread in flight (a 5120-wide row in
+        // one round trip instead of five).
         float ss = 0.0f;
-#pragma unroll 4
-        for (int i = threadIdx.x; i < K; i += blockDim.x) {
-            const float v = xr[i];
-            ss += v * v;
+        if ((K & 3) == 0 && (((size_t)xr) & 15) == 0) {
+            const float4* x4 = (const float4*)xr;
+            const int n4 = K >> 2;
+            for (int base = 0; base < n4; base += 8 * blockDim.x) {
+                float4 q[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int i = base + u * blockDim.x + threadIdx.x;
+                    q[u] = i < n4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int u = 0; u < 8; ++u) ss += (q[u].x * q[u].x + q[u].y * q[u].y) + (q[u].z * q[u].z + q[u].w * q[u].w);
+            }
+        } else {
+#pragma unroll 8
+            for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
         }
         ss = block_sum(ss, red);
         inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
     }
-    if ((int)threadIdx.x < count) {
-        float v = xr[n0 + threadIdx.x];
-        if (norm) {
-            v = v * inv;
-            if (w != nullptr) v = v * w[n0 + threadIdx.x];
-        }
-        vals[threadIdx.x] = v;
-    }
+    if ((int)threadIdx.x < count) vals[threadIdx.x] = norm ? v * inv * wv : v;
     __syncthreads();
     prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
 }
@@ -327,6 +340,13 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     const int h0 = n0 / dv, h1 = (n0 + count - 1) / dv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const float* ot = o + (size_t)t * K;
+    float zv = 0.0f, ov = 0.0f, wv = 0.0f;      // this thread's column, requested before the norms
+    if ((int)threadIdx.x < count) {
+        const int n = n0 + threadIdx.x;
+        zv = zb[(size_t)t * ldz + n];
+        ov = ot[n];
+        wv = w[n % dv];
+    }
     for (int h = h0 + warp; h <= h1; h += n_warps) {
         float ss = 0.0f;
 #pragma unroll 4
@@ -336,9 +356,8 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     }
     __syncthreads();
     if ((int)threadIdx.x < count) {
-        const int n = n0 + threadIdx.x, h = n / dv;
-        const float z = zb[(size_t)t * ldz + n];
-        vals[threadIdx.x] = silu_f(z) * (ot[n] * inv_h[h - h0] * w[n % dv]);
+        const int h = (n0 + threadIdx.x) / dv;
+        vals[threadIdx.x] = silu_f(zv) * (ov * inv_h[h - h0] * wv);
     }
     __syncthreads();
     prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
@@ -402,9 +421,10 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 // covers rows [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 16: a
 // function of p only. Inside a split, warp w takes rows 4w.., 4 at a time (independent dot
 // products in flight), then 16 further; online softmax per warp, the warps merged in order. Writes
-// (m, l) and the unnormalised o of the split. grid (n_split, H, T), 128 threads, D <= 256.
+// (m, l) and the unnormalised o of the split. grid (n_split, H, T), 128 threads, D <= 256, D % 8 == 0.
 #define ATT_WARPS 4
 #define ATT_KEYS 4
+#define ATT_MAX_SPLITS 16                        // fused_gpu.py ATT_SPLITS
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
     int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
@@ -423,28 +443,38 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     int chunk = (n_keys + n_split - 1) / n_split;
     chunk = (chunk + ATT_WARPS * ATT_KEYS - 1) / (ATT_WARPS * ATT_KEYS) * (ATT_WARPS * ATT_KEYS);
     const int j0 = s * chunk, j1 = min(j0 + chunk, n_keys);
+    // Lane L holds dims 8L .. 8L+7 (D % 8 == 0, D <= 256): a key's K and V rows are two 16-byte
+    // loads per lane, and the ATT_KEYS keys of a round are all requested at once, K and V together
+    // (V does not wait for the scores), so a round costs one memory latency.
     const float* qr = q + ((size_t)t * H + h) * D;
+    const int d0 = 8 * lane;
+    const bool live = d0 < D;
     float qv[8], acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-        const int d = lane + 32 * e;
-        qv[e] = d < D ? qr[d] : 0.0f;
+        qv[e] = live ? qr[d0 + e] : 0.0f;
         acc[e] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int jb = j0 + warp * ATT_KEYS; jb < j1; jb += ATT_WARPS * ATT_KEYS) {
+        float4 kq[ATT_KEYS][2], vq[ATT_KEYS][2];
+#pragma unroll
+        for (int u = 0; u < ATT_KEYS; ++u) {
+            const bool ok = live && jb + u < j1;
+            const float4* kr = (const float4*)(kc + (size_t)(jb + u) * D + d0);
+            const float4* vr = (const float4*)(vc + (size_t)(jb + u) * D + d0);
+            kq[u][0] = ok ? kr[0] : zero4;
+            kq[u][1] = ok ? kr[1] : zero4;
+            vq[u][0] = ok ? vr[0] : zero4;
+            vq[u][1] = ok ? vr[1] : zero4;
+        }
         float dot[ATT_KEYS];
 #pragma unroll
         for (int u = 0; u < ATT_KEYS; ++u) {
-            dot[u] = 0.0f;
-            if (jb + u < j1) {
-                const float* kr = kc + (size_t)(jb + u) * D;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const int d = lane + 32 * e;
-                    if (d < D) dot[u] += qv[e] * kr[d];
-                }
-            }
+            const float4 a = kq[u][0], b = kq[u][1];
+            dot[u] = ((qv[0] * a.x + qv[1] * a.y) + (qv[2] * a.z + qv[3] * a.w)) +
+                     ((qv[4] * b.x + qv[5] * b.y) + (qv[6] * b.z + qv[7] * b.w));
         }
 #pragma unroll
         for (int u = 0; u < ATT_KEYS; ++u) dot[u] = warp_sum(dot[u]) * scale;
@@ -459,23 +489,21 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
         l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            const int d = lane + 32 * e;
-            if (d < D) {
-                float a = acc[e] * corr;
+            float a = acc[e] * corr;
 #pragma unroll
-                for (int u = 0; u < ATT_KEYS; ++u)
-                    if (jb + u < j1) a += p[u] * vc[(size_t)(jb + u) * D + d];
-                acc[e] = a;
+            for (int u = 0; u < ATT_KEYS; ++u) {
+                const float4 vv = vq[u][e >> 2];
+                const float ve = (e & 3) == 0 ? vv.x : ((e & 3) == 1 ? vv.y : ((e & 3) == 2 ? vv.z : vv.w));
+                a += p[u] * ve;
             }
+            acc[e] = a;
         }
         m = m_new;
     }
     if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const int d = lane + 32 * e;
-        if (d < D) s_o[warp][d] = acc[e];
-    }
+    for (int e = 0; e < 8; ++e)
+        if (live) s_o[warp][d0 + e] = acc[e];
     __syncthreads();
     float M = NEG_INF;
     for (int w = 0; w < ATT_WARPS; ++w)
@@ -509,20 +537,31 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
     if ((int)threadIdx.x < count) {
         const int idx = n0 + threadIdx.x, h = idx / D, d = idx % D;
         const size_t base = ((size_t)t * H + h) * n_split;
+        // Every split's (m, l) and o are requested at once (n_split <= ATT_MAX_SPLITS), then merged
+        // in split order; a split with no keys (l == 0) is skipped, its o never read as a number.
+        float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], os[ATT_MAX_SPLITS];
+#pragma unroll
+        for (int s = 0; s < ATT_MAX_SPLITS; ++s) {
+            const bool in = s < n_split;
+            ms[s] = in ? part_ml[(base + s) * 2] : 0.0f;
+            ls[s] = in ? part_ml[(base + s) * 2 + 1] : 0.0f;
+            os[s] = in ? part_o[(base + s) * D + d] : 0.0f;
+        }
+        const float gt = qg[(size_t)t * 2 * H * D + (size_t)h * 2 * D + D + d];
         float M = NEG_INF;
-        for (int s = 0; s < n_split; ++s)
-            if (part_ml[(base + s) * 2 + 1] > 0.0f) M = fmaxf(M, part_ml[(base + s) * 2]);
+#pragma unroll
+        for (int s = 0; s < ATT_MAX_SPLITS; ++s)
+            if (ls[s] > 0.0f) M = fmaxf(M, ms[s]);
         float L = 0.0f, o = 0.0f;
-        for (int s = 0; s < n_split; ++s) {
-            const float ls = part_ml[(base + s) * 2 + 1];
-            if (ls > 0.0f) {
-                const float f = expf(part_ml[(base + s) * 2] - M);
-                L += ls * f;
-                o += part_o[(base + s) * D + d] * f;
+#pragma unroll
+        for (int s = 0; s < ATT_MAX_SPLITS; ++s) {
+            if (ls[s] > 0.0f) {
+                const float f = expf(ms[s] - M);
+                L += ls[s] * f;
+                o += os[s] * f;
             }
         }
         o = L > 0.0f ? o / L : 0.0f;
-        const float gt = qg[(size_t)t * 2 * H * D + (size_t)h * 2 * D + D + d];
         vals[threadIdx.x] = o / (1.0f + expf(-gt));
     }
     __syncthreads();

@@ -34,7 +34,7 @@ SEG_DTYPE = np.dtype([("w", "<u8"), ("y", "<u8"), ("n_rows", "<i4"), ("n_tiles",
                       ("pad", "<i4")])
 GDN_COLS = 32
 GDN_RPT = (2, 8, 16, 32, 64)        # gdn_recur_r*: d_k <= 4 * RPT
-ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial
+ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial (fused.cu ATT_MAX_SPLITS)
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
@@ -297,6 +297,8 @@ class FusedGpu:
 
     def op_attn_partial(self, label: str, q, params, tbl, slot: int, part_o, part_ml, H: int, Hkv: int, D: int,
                         scale: float, T: int) -> Op:
+        if D % 8 or D > 256:
+            raise ValueError(f"{label}: attention head size {D} (attn_partial takes multiples of 8 up to 256)")
         kern = self._k("fused.cu", "attn_partial")
         args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
                 np.int32(ATT_SPLITS), np.float32(scale))
