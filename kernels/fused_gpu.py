@@ -41,6 +41,7 @@ ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
 MM_B_ROW = 264                      # halves per staged activation row (mma_matmul.cu)
 MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
+MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 
 
 def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
@@ -49,7 +50,7 @@ def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
     stage = 4 * UNIT_BYTES[qtype] + T * MM_B_ROW * 2 + (T * 32 if has_min else 0)
     stage = (stage + 127) // 128 * 128
     if stages is None:
-        stages = max(2, min(8, MM_SMEM_TARGET // stage))
+        stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
     return stages * stage
 
 

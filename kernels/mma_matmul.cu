@@ -275,6 +275,7 @@ __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z));
 // that a decode step (T = 1) gets the deepest pipeline the shared-memory target allows.
 #define MM_B_ROW 264                       // halves per staged activation row (256 + 8: bank spread)
 #define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
+#define MM_MAX_STAGES 3                    // H200, bench_mm_gpu.py: 3 stages beat 4 and 5 (by 2-7%) at T = 1
 template <int QT> struct MmGeom {
     static constexpr int UNIT = UnitBytes<QT>::v;
     static constexpr int A_BYTES = 4 * UNIT;
@@ -286,7 +287,7 @@ template <int QT> struct MmGeom {
         return MM_STAGES;
 #else
         const int n = MM_SMEM_TARGET / stage(n_rows);
-        return n < 2 ? 2 : (n > 8 ? 8 : n);
+        return n < 2 ? 2 : (n > MM_MAX_STAGES ? MM_MAX_STAGES : n);
 #endif
     }
 };
