@@ -23,7 +23,7 @@ Weights are uploaded once, as the GGUF file's raw bytes in ggml's block layouts 
   and multiplied by cuBLAS.
 
 `load_matmul_weight` (what `daemons.qwen35` loads every matrix but the embedding with) instead
-repacks Q4_K, Q5_K, Q6_K, Q8_0 and F16 matrices into the tensor-core layout of
+repacks Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0 and F16 matrices into the tensor-core layout of
 `kernels/mma_matmul.cu` (`kernels.fused_gpu.TcWeight`: the same bytes, reordered); `matmul` runs
 those through the tensor-core kernel, and a model whose matrices all have that layout runs its
 steps through `daemons/qwen35_gpu.py` (fused kernels, CUDA graphs, `capture_graph` /

@@ -22,11 +22,13 @@ __all__ = ["FusedGpu", "TcWeight", "ActBuffer", "Op", "MmWorkspace", "TC_TYPES",
            "MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "mm_grid_blocks", "mm_smem_bytes", "TC_TYPE_NAMES"]
 
 MAX_T = 32                          # activation rows one launch handles (4 MMA column tiles)
-QT_F16, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K = 1, 8, 12, 13, 14
-UNIT_BYTES = {QT_F16: 8192, QT_Q8_0: 4352, QT_Q4_K: 2304, QT_Q5_K: 2816, QT_Q6_K: 3360}
+QT_F16, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS = 1, 8, 12, 13, 14, 23
+UNIT_BYTES = {QT_F16: 8192, QT_Q8_0: 4352, QT_Q4_K: 2304, QT_Q5_K: 2816, QT_Q6_K: 3360, QT_IQ4_XS: 2176}
 TC_TYPES = tuple(UNIT_BYTES)
-TC_TYPE_NAMES = {QT_F16: "F16", QT_Q8_0: "Q8_0", QT_Q4_K: "Q4_K", QT_Q5_K: "Q5_K", QT_Q6_K: "Q6_K"}
-_GGUF_BLOCK = {QT_F16: (1, 2), QT_Q8_0: (32, 34), QT_Q4_K: (256, 144), QT_Q5_K: (256, 176), QT_Q6_K: (256, 210)}
+TC_TYPE_NAMES = {QT_F16: "F16", QT_Q8_0: "Q8_0", QT_Q4_K: "Q4_K", QT_Q5_K: "Q5_K", QT_Q6_K: "Q6_K",
+                 QT_IQ4_XS: "IQ4_XS"}
+_GGUF_BLOCK = {QT_F16: (1, 2), QT_Q8_0: (32, 34), QT_Q4_K: (256, 144), QT_Q5_K: (256, 176), QT_Q6_K: (256, 210),
+               QT_IQ4_XS: (256, 136)}
 MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
 MM_THREADS = 128
 FUSED_THREADS = 256
@@ -171,6 +173,8 @@ class FusedGpu:
             self._k("mma_matmul.cu", "repack_q5_k")(grid, (256,), base + (np.int64(n_words),))
         elif qtype == QT_Q6_K:
             self._k("mma_matmul.cu", "repack_q6_k")(grid, (256,), base + (np.int64(n_words),))
+        elif qtype == QT_IQ4_XS:
+            self._k("mma_matmul.cu", "repack_iq4_xs")(grid, (256,), base + (np.int64(n_words),))
         elif qtype == QT_Q8_0:
             self._k("mma_matmul.cu", "repack_q8_0")(grid, (256,), base + (np.int32(n_in // 32), np.int64(n_words)))
         else:

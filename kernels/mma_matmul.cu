@@ -32,6 +32,9 @@
 //                the block sums (hi and lo halves in the two k halves, so the sums stay ~f32).
 //   Q6_K         A = f16(sc * (q - 32)) (exact up to |2048|, else rounded to an even integer:
 //                <= 2^-12 relative), acc += d * (A.x).
+//   IQ4_XS       A = f16(kv[q] * (ls - 32)), kv the IQ4_NL codebook (int8), ls the 6-bit scale of
+//                the 32-wide block (|A| <= 127 * 32: exact up to 2048, else rounded to an even
+//                integer, an error of at most 1 = 2^-11 relative), acc += d * (A.x).
 //   Q8_0         A = f16(d * q) (rounded once, <= 2^-12 relative), acc += A.x.
 //   F16          A = w, acc += A.x.
 // Activations are rounded to f16 once (2^-11 relative); everything else is f32.
@@ -69,6 +72,7 @@ struct MmSeg {                 // one matrix of a launch; all share the type, n_
 #define QT_Q4_K 12
 #define QT_Q5_K 13
 #define QT_Q6_K 14
+#define QT_IQ4_XS 23
 
 #define MODE_STORE 0
 #define MODE_ADD 1
@@ -80,12 +84,27 @@ template <> struct UnitBytes<QT_Q8_0> { static constexpr int v = 4352; };
 template <> struct UnitBytes<QT_Q4_K> { static constexpr int v = 2304; };
 template <> struct UnitBytes<QT_Q5_K> { static constexpr int v = 2816; };
 template <> struct UnitBytes<QT_Q6_K> { static constexpr int v = 3360; };
+template <> struct UnitBytes<QT_IQ4_XS> { static constexpr int v = 2176; };
 
 __device__ __forceinline__ u32 sel4(const uint4& v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 template <int I> __device__ __forceinline__ u32 comp(const uint4& v) {
     return I == 0 ? v.x : (I == 1 ? v.y : (I == 2 ? v.z : v.w));
+}
+// A byte permute (__byte_perm's operands) for selectors whose nibbles may have bit 3 set only for
+// output bytes the caller discards. __byte_perm reads 3 bits per selector nibble, the prmt it
+// compiles to reads bit 3 as "replicate the byte's sign", so nvcc masks a variable selector with
+// 0x7777 first (one more instruction); the bytes the caller keeps are the same either way, so CUDA
+// issues the bare prmt.
+__device__ __forceinline__ u32 prmt_keep(u32 x, u32 y, u32 s) {
+#if !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(y), "r"(s));
+    return d;
+#else
+    return __byte_perm(x, y, s);
+#endif
 }
 // Plain loads: the units are read from the shared-memory stage the pipeline filled.
 __device__ __forceinline__ uint4 ld128(const unsigned char* p) { return *(const uint4*)p; }
@@ -221,6 +240,61 @@ struct UnitQ6K {
     }
 };
 
+// IQ4_XS unit: 2048 bytes of nibble words in lane order (like Q4_K, but the nibble of (register r,
+// half hf) at bit 4 * ((r & 1) + 2 hf + 4 (r >> 1)): registers 0, 1 in the low 16 bits, 2, 3 in the
+// high, because a prmt takes its 4 selector nibbles from the low 16 bits: one lookup per half word,
+// whose bytes 0, 2 (1, 3) are then register 0's (1's) two halves), then 8 records of 16 bytes,
+// record g = the first 8 bytes of the GGUF block of row g {f16 d; u16 scales_h; u8 scales_l[4]},
+// then those of row g + 8 (one load gives a lane both its rows). The 6-bit scale of 32-wide block
+// 2c + j is nibble j of scales_l[c] | (bits 4c + 2j, 4c + 2j + 1 of scales_h) << 4: lane c reads
+// byte c of one word and a nibble of the other.
+#define IQ4_KV0 0x3F2D1801u      // the IQ4_NL codebook kv[0..15] + 128, four bytes a word
+#define IQ4_KV1 0x766A5D4Fu
+#define IQ4_KV2 0xA6998D81u
+#define IQ4_KV3 0xF1D9C5B5u
+struct UnitIQ4XS {
+    static constexpr bool HAS_MIN = false, SCALED = true;
+    uint4 q[4];
+    u32 cs[2][2], bs[2][2];      // [32-wide block 2c + j][row g / g+8]
+    float d[2], dmin[2];
+    u32 amin[2];
+    __device__ __forceinline__ void decode(u32 w0, u32 w1, int c, int row8) {
+        d[row8] = h2f((u16)(w0 & 0xffffu));
+        const u32 sh = w0 >> (16 + 4 * c), sl = w1 >> (8 * c);
+        const u32 ls0 = (sl & 15u) | ((sh & 3u) << 4), ls1 = ((sl >> 4) & 15u) | ((sh & 12u) << 2);
+        cs[0][row8] = h2sub(ls0 | (ls0 << 16) | H2_1024, H2_1056); bs[0][row8] = h2mul(cs[0][row8], H2_M1152);
+        cs[1][row8] = h2sub(ls1 | (ls1 << 16) | H2_1024, H2_1056); bs[1][row8] = h2mul(cs[1][row8], H2_M1152);
+    }
+    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+        const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
+        const uint4 r = ld128(u + 2048 + g * 16);
+        decode(r.x, r.y, c, 0);
+        decode(r.z, r.w, c, 1);
+    }
+    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    // Codebook: a prmt looks up 4 nibbles in 8 bytes, so each half word is looked up in kv[0..7]
+    // with its nibbles as they are and in kv[8..15] with bit 3 flipped (clear for the nibbles 8..15;
+    // the bytes of nibbles from the other half come out wrong and are dropped), then one prmt keeps
+    // per byte the lookup its bit 3 names (selector nibble i = i | 4 * bit 3). The table bytes are
+    // kv + 128 (kv is int8): 0x64 above one makes f16 1152 + kv, and (1152 + kv) * s - 1152 s = kv * s
+    // in one HFMA2, s = ls - 32, rounded once (1152 s = 9 s * 128 is exact). 10 prmt, 4 HFMA2 and
+    // 6 integer ops per k-step.
+    template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
+        const u32 w = comp<S & 3>(q[S >> 2]);
+        constexpr int j = S >> 3;                       // 32-wide block 2c + j
+        const u32 wx = w ^ 0x88888888u;
+        const u32 sel = ((w >> 1) & 0x44444444u) | 0x32103210u;
+        const u32 m01 = prmt_keep(prmt_keep(IQ4_KV0, IQ4_KV1, w), prmt_keep(IQ4_KV2, IQ4_KV3, wx), sel);
+        const u32 m23 = prmt_keep(prmt_keep(IQ4_KV0, IQ4_KV1, w >> 16), prmt_keep(IQ4_KV2, IQ4_KV3, wx >> 16), sel >> 16);
+        a[0] = h2fma(__byte_perm(m01, 0x64646464u, 0x4240), cs[j][0], bs[j][0]);
+        a[1] = h2fma(__byte_perm(m01, 0x64646464u, 0x4341), cs[j][1], bs[j][1]);
+        a[2] = h2fma(__byte_perm(m23, 0x64646464u, 0x4240), cs[j][0], bs[j][0]);
+        a[3] = h2fma(__byte_perm(m23, 0x64646464u, 0x4341), cs[j][1], bs[j][1]);
+    }
+};
+
 struct UnitQ8_0 {
     static constexpr bool HAS_MIN = false, SCALED = false;
     uint4 qp;                    // the current pair's quants
@@ -264,6 +338,7 @@ template <int QT> struct UnitOf;
 template <> struct UnitOf<QT_Q4_K> { typedef UnitQ4K T; };
 template <> struct UnitOf<QT_Q5_K> { typedef UnitQ5K T; };
 template <> struct UnitOf<QT_Q6_K> { typedef UnitQ6K T; };
+template <> struct UnitOf<QT_IQ4_XS> { typedef UnitIQ4XS T; };
 template <> struct UnitOf<QT_Q8_0> { typedef UnitQ8_0 T; };
 template <> struct UnitOf<QT_F16> { typedef UnitF16 T; };
 
@@ -872,6 +947,45 @@ extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u3
                                (raw_byte(raw, row_bytes, n_rows, row, sb * 210 + 209) << 8);
                 v |= dv << (16 * k);
             }
+        }
+        out[wi] = v;
+    }
+}
+
+// IQ4_XS element (row, col) of superblock sb as its 4-bit codebook index (w = d * (ls - 32) * kv[q]).
+__device__ __forceinline__ u32 iq4_code(const unsigned char* raw, int row_bytes, int n_rows, int row, int sb, int col) {
+    if (row >= n_rows) return 0u;
+    const int ib = col >> 5, i = col & 31;
+    const u32 b = raw[(size_t)row * row_bytes + (size_t)sb * 136 + 8 + 16 * ib + (i & 15)];
+    return i < 16 ? (b & 15u) : (b >> 4);
+}
+
+// n_in is a whole number of superblocks (FusedGpu.repack checks), so every superblock is real.
+extern "C" __global__ void repack_iq4_xs(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
+                                         int row_bytes, int n_sb, long long n_words) {
+    const int UW = 2176 / 4;
+    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
+         wi += (long long)gridDim.x * blockDim.x) {
+        const long long unit = wi / UW;
+        const int o = (int)(wi % UW) * 4;
+        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+        u32 v = 0;
+        if (o < 2048) {
+            const int i = o / 512, lane = (o % 512) / 16, s = 4 * i + (o % 16) / 4;
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    int row16, col;
+                    elem_of(lane, s, r, hf, row16, col);
+                    const u32 q = iq4_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col);
+                    v |= q << (4 * ((r & 1) + 2 * hf + 4 * (r >> 1)));
+                }
+        } else {
+            const int g = (o - 2048) / 16, k = ((o - 2048) % 16) / 4;   // word k: row g + 8 (k >> 1), bytes 4 (k & 1) ..
+            const int row = tile * 16 + g + 8 * (k >> 1);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) v |= raw_byte(raw, row_bytes, n_rows, row, sb * 136 + 4 * (k & 1) + b) << (8 * b);
         }
         out[wi] = v;
     }

@@ -214,8 +214,10 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 
 // f16x2 constants (bit patterns)
 #define H2_1024 0x64006400u        // (1024, 1024)
+#define H2_1056 0x64206420u        // (1056, 1056) = 1024 + 32
 #define H2_1152 0x64806480u        // (1152, 1152) = 1024 + 128
 #define H2_M1024 0xE400E400u       // (-1024, -1024)
+#define H2_M1152 0xE480E480u       // (-1152, -1152)
 #define H2_M64 0xD400D400u         // (-64, -64)
 #define H2_M96 0xD600D600u         // (-96, -96)
 #define H2_1_16 0x2C002C00u        // (1/16, 1/16)

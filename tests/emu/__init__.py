@@ -31,7 +31,7 @@ CXX = os.environ.get("CXX", "g++")
 __all__ = ["EmuDevice", "emu_unavailable_reason", "MM_CONFIGS"]
 
 # The mma_matmul.cu instantiations the emulated library holds: (qtype, NT, mode).
-MM_CONFIGS = tuple((qt, nt, mode) for qt in (1, 8, 12, 13, 14) for nt in (1, 2, 3, 4) for mode in (0, 1, 2))
+MM_CONFIGS = tuple((qt, nt, mode) for qt in (1, 8, 12, 13, 14, 23) for nt in (1, 2, 3, 4) for mode in (0, 1, 2))
 
 
 def emu_unavailable_reason() -> str | None:
