@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from daemons.sampling import Sampler, SamplingParams
+from kernels.fused_gpu import TOPK_MAX          # the most candidates a GPU step hands over
 
 __all__ = [
     "GenerationError",
@@ -220,6 +221,22 @@ def _default_decoder_factory(tokenizer: Any) -> _StreamDecoder:
     return StreamDecoder(tokenizer)
 
 
+def _sample_next(model: Any, state: Any, token: int, sampler: Sampler, history: Sequence[int]) -> int:
+    """Forward one token and sample the next. Where the model selects candidates on the device (a
+    GPU step) and the sampling settings need only the largest few logits (top_k on, penalties that
+    only lower logits: Sampler.candidates_needed), only those cross to the host; the token is the
+    one `sample` over the whole row gives."""
+    vocab = int(getattr(model, "n_vocab", 0) or 0)
+    k = sampler.candidates_needed(history, vocab) if getattr(model, "device_topk", False) and vocab else 0
+    if 0 < k <= TOPK_MAX:
+        out = model.forward([token], state, logits="topk_last", top_k=k)
+        if isinstance(out, tuple):
+            ids, vals = out
+            return sampler.sample_candidates(ids, vals, vocab, history)
+        return sampler.sample(_last_logits(out), history)      # a NaN / +inf row: the sampler says so
+    return sampler.sample(_last_logits(model.forward([token], state)), history)
+
+
 def _last_logits(out: Any) -> np.ndarray:
     arr = np.asarray(out)
     if arr.ndim == 0:
@@ -368,9 +385,8 @@ def generate(
             tokens = [int(model.forward([tokens[-1]], state, logits="argmax_last")[0])]
             n_state += 1
         else:
-            logits = _last_logits(model.forward([tokens[-1]], state))
+            tokens = [_sample_next(model, state, tokens[-1], sampler, history)]
             n_state += 1
-            tokens = [sampler.sample(logits, history)]
 
 
 def generate_all(model: Any, tokenizer: Any, request: GenerationRequest, state: Any = None,

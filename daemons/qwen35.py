@@ -46,6 +46,7 @@ from typing import Any, Collection, Sequence
 import numpy as np
 
 from daemons.gguf_reader import GGUFFile, GGUFMetadataError, GGUFTensorError
+from daemons.sampling import top_candidates
 from kernels.ggml_quants import SUPPORTED_TYPES
 
 __all__ = ["ARCH", "Qwen35HParams", "Qwen35State", "Qwen35Model", "VerifyRecord", "ModelInputError",
@@ -462,24 +463,40 @@ class Qwen35Model:
         return Qwen35State(self.hparams, self.backend, int(max_ctx))
 
     # -- running --------------------------------------------------------------------------------
+    @property
+    def device_topk(self) -> bool:
+        """True when `forward(..., logits="topk_last")` selects the candidates on the device (only
+        they cross to the host); elsewhere it is offered too, computed from the host logits."""
+        return self.gpu_step is not None
+
     def forward(self, token_ids: Sequence[int], state: Qwen35State, logits: str = "last",
-                capture_layers: Collection[int] | None = None, deltanet_mode: str = "auto"):
+                capture_layers: Collection[int] | None = None, deltanet_mode: str = "auto", top_k: int = 0):
         """Run `token_ids` (positions state.n_past, n_past+1, ...) in one batch and advance `state`.
 
         logits: "last" -> float32 host [1, vocab]; "all" -> [T, vocab]; "none" -> None (skips the
         LM head, for prompt chunks whose logits nobody reads); "argmax" -> int64 [T] greedy ids of
-        every row, "argmax_last" -> [1] (on a GPU only the ids cross to the host).
+        every row, "argmax_last" -> [1] (on a GPU only the ids cross to the host); "topk_last" ->
+        (int64 ids ascending, float32 values) of the `top_k` largest logits of the last row
+        (daemons/sampling.py top_candidates; the row [1, vocab] itself when it holds a NaN or +inf).
         capture_layers: layer ids whose output x' (after the FFN residual, HF `hidden_states[il+1]`)
         is returned too; then the result is `(logits, {il: float32 host [T, n_embd]})`.
         deltanet_mode: "auto" (chunked form for T > 1, recurrence for one token), "recurrent" or
         "chunked"."""
-        if logits not in ("last", "all", "none", "argmax", "argmax_last"):
-            raise ModelInputError(f"logits must be 'last', 'all', 'none', 'argmax' or 'argmax_last', got {logits!r}")
+        if logits not in ("last", "all", "none", "argmax", "argmax_last", "topk_last"):
+            raise ModelInputError(
+                f"logits must be 'last', 'all', 'none', 'argmax', 'argmax_last' or 'topk_last', got {logits!r}")
+        if logits == "topk_last" and not 1 <= top_k <= self.n_vocab:
+            raise ModelInputError(f"top_k must be in 1..{self.n_vocab} for logits='topk_last', got {top_k!r}")
         if deltanet_mode not in ("auto", "recurrent", "chunked"):
             raise ModelInputError(f"deltanet_mode must be 'auto', 'recurrent' or 'chunked', got {deltanet_mode!r}")
         ids = self._check_call(token_ids, state, capture_layers)
         if self.gpu_step is not None:
-            return self._gpu_forward(ids, state, logits, capture_layers)
+            return self._gpu_forward(ids, state, logits, capture_layers, top_k)
+        if logits == "topk_last":
+            out = self.forward(ids, state, logits="last", capture_layers=capture_layers, deltanet_mode=deltanet_mode)
+            lg, cap = out if capture_layers is not None else (out, None)
+            res = lg if not (lg < np.inf).all() else top_candidates(lg[0], top_k)   # NaN / +inf: the row
+            return (res, cap) if capture_layers is not None else res
         if logits in ("argmax", "argmax_last"):
             out = self.forward(ids, state, logits="all" if logits == "argmax" else "last",
                                capture_layers=capture_layers, deltanet_mode=deltanet_mode)
@@ -599,7 +616,8 @@ class Qwen35Model:
                              dtype=np.float32)
         return out, captured
 
-    def _gpu_forward(self, ids: np.ndarray, state: Qwen35State, logits: str, capture_layers: Collection[int] | None):
+    def _gpu_forward(self, ids: np.ndarray, state: Qwen35State, logits: str, capture_layers: Collection[int] | None,
+                     top_k: int = 0):
         """`forward` on the GPU step: chunks of at most 32 tokens, each one graph launch."""
         from daemons.qwen35_gpu import MAX_T
         step = self.gpu_step
@@ -610,7 +628,7 @@ class Qwen35Model:
             part = ids[c0:c0 + MAX_T]
             last = c0 + MAX_T >= T
             want = logits if (logits in ("all", "argmax") or last) else "none"
-            out, cap_part = step.step(part, state, "advance", want, cap)
+            out, cap_part = step.step(part, state, "advance", want, cap, top_k=top_k)
             if out is not None:
                 outs.append(out)
             for il, a in cap_part.items():

@@ -43,8 +43,8 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
-from kernels.fused_gpu import (MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, ActBuffer, FusedGpu, MmWorkspace, Op,
-                               TcWeight)
+from kernels.fused_gpu import (MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX, ActBuffer, FusedGpu, MmWorkspace,
+                               Op, TcWeight)
 
 __all__ = ["Qwen35GpuStep", "GpuVerifyRecord", "step_supported"]
 
@@ -122,6 +122,10 @@ class Qwen35GpuStep:
             self.part_ml = xp.zeros((MAX_T, self.H, ATT_SPLITS, 2), dtype=f32)
         self.logits = xp.zeros((MAX_T, self.V), dtype=f32)
         self.ids_out = xp.zeros(MAX_T, dtype=xp.int32)
+        # top-k of the last row, one buffer so that one copy brings it to the host:
+        # [0] NaN / +inf count, [1 : 1+k] ids, [1+k : 1+2k] the values' float32 bits
+        self.topk_out = xp.zeros(1 + 2 * TOPK_MAX, dtype=xp.int32)
+        self._topk_ops: dict[int, Op] = {}
         # params block: [0] n_past, [1] n_keep (commit), [2:2+T] token ids
         self.params = xp.zeros(2 + MAX_T, dtype=xp.int32)
         self._params_host = np.zeros(2 + MAX_T, dtype=np.int32)
@@ -319,15 +323,20 @@ class Qwen35GpuStep:
 
     # -- running --------------------------------------------------------------------------------
     def step(self, ids: Sequence[int], state: Any, mode: str = "advance", logits: str = "last",
-             capture: Collection[int] = ()) -> tuple[Any, dict[int, np.ndarray]]:
+             capture: Collection[int] = (), top_k: int = 0) -> tuple[Any, dict[int, np.ndarray]]:
         """One step of T = len(ids) <= 32 tokens at positions state.n_past... Returns (out, captured):
-        out = host logits [1 | T, V] ("last" / "all"), int64 ids [1 | T] ("argmax_last" / "argmax"), or
-        None ("none"); captured = {il: float32 [T, n_embd]}."""
+        out = host logits [1 | T, V] ("last" / "all"), int64 ids [1 | T] ("argmax_last" / "argmax"),
+        the top_k largest logits of the last row as (int64 ids ascending, float32 values)
+        ("topk_last"; the whole row [1, V] instead when it holds a NaN or +inf, for the sampler to
+        reject), or None ("none"); captured = {il: float32 [T, n_embd]}."""
         T = len(ids)
         if not 1 <= T <= MAX_T:
             raise ValueError(f"a GPU step takes 1..{MAX_T} tokens, got {T}")
+        if logits == "topk_last" and not 1 <= top_k <= min(TOPK_MAX, self.V):
+            raise ValueError(f"top_k={top_k}: a GPU step hands 1..{min(TOPK_MAX, self.V)} candidates to the host")
         cap = tuple(sorted(int(i) for i in capture))
-        plan_logits = {"last": "last", "all": "all", "none": "none", "argmax": "all", "argmax_last": "last"}[logits]
+        plan_logits = {"last": "last", "all": "all", "none": "none", "argmax": "all", "argmax_last": "last",
+                       "topk_last": "last"}[logits]
         self._bind(state)
         ph = self._params_host
         ph[0] = state.n_past
@@ -341,6 +350,8 @@ class Qwen35GpuStep:
         n_rows = 1 if plan_logits == "last" else T
         if logits in ("argmax", "argmax_last"):
             out = self._to_host(self.ids_out[:n_rows]).astype(np.int64)
+        elif logits == "topk_last":
+            out = self._topk_last(top_k)
         elif logits != "none":
             out = np.array(self._to_host(self.logits[:n_rows]), dtype=np.float32, copy=True)
         captured = {}
@@ -348,6 +359,20 @@ class Qwen35GpuStep:
             bufs = self._captures[cap]
             captured = {il: np.array(self._to_host(bufs[il][:T]), dtype=np.float32, copy=True) for il in cap}
         return out, captured
+
+    def _topk_last(self, k: int):
+        """The k largest logits of row 0 of the last step's logits (a "last" plan leaves the last
+        token's row there), selected on the device: one small copy instead of the vocabulary."""
+        op = self._topk_ops.get(k)
+        if op is None:
+            buf = self.topk_out
+            op = self._topk_ops[k] = self.fg.op_topk("topk", self.logits, self.V, self.V, k, buf[1:1 + k],
+                                                     buf[1 + k:1 + 2 * k], buf[0:1], 1)
+        op()
+        host = self._to_host(self.topk_out[:1 + 2 * k])
+        if host[0] > 0:
+            return np.array(self._to_host(self.logits[:1]), dtype=np.float32, copy=True)
+        return host[1:1 + k].astype(np.int64), host[1 + k:1 + 2 * k].view(np.float32).copy()
 
     def _to_host(self, a) -> np.ndarray:
         return a if self.xp is np else self.xp.asnumpy(a)

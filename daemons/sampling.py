@@ -46,6 +46,7 @@ __all__ = [
     "SamplingParams",
     "Sampler",
     "argmax_lowest",
+    "top_candidates",
 ]
 
 
@@ -157,6 +158,16 @@ def _top_k_mask_indices(values: np.ndarray, k: int) -> np.ndarray:
     chosen = np.concatenate([above, tied[: k - above.shape[0]]])
     chosen.sort()
     return chosen
+
+
+def top_candidates(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids ascending, values) of the k largest of a row of logits, ties at the k-th value to the
+    lowest ids (the top_k rule; -0.0 and 0.0 tie). What a GPU computes on the device
+    (kernels/fused.cu topk_row) so that only k candidates cross to the host."""
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    k = min(int(k), x.shape[0])
+    ids = _top_k_mask_indices(x, k) if k < x.shape[0] else np.arange(x.shape[0])
+    return ids.astype(np.int64), x[ids]
 
 
 def _descending_order(values: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -300,6 +311,32 @@ class Sampler:
             m *= 8
         keep = np.sort(keep)
         return keep
+
+    def candidates_needed(self, history: Sequence[int], vocab: int) -> int:
+        """How many of the largest logits decide the next sampled token, or 0 when any logit can.
+
+        With top_k on, the kept set lies within the top_k + H largest raw logits, H = the distinct
+        tokens the penalties touch, as long as the penalties can only lower a logit (repeat_penalty
+        >= 1, frequency / presence >= 0): a token outside them has top_k larger untouched ones above
+        it. `sample_candidates` on those equals `sample` on the whole row. Greedy, top_k off or a
+        penalty that can raise a logit: 0 (the whole row is needed)."""
+        p = self.params
+        if p.temperature <= 0 or p.top_k <= 0:
+            return 0
+        h = 0
+        if p.has_penalties and len(history):
+            if p.repeat_penalty < 1.0 or p.frequency_penalty < 0.0 or p.presence_penalty < 0.0:
+                return 0
+            window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n:]
+            h = int(np.unique(np.asarray(window, dtype=np.int64)).shape[0])
+        return min(int(vocab), p.top_k + h)
+
+    def sample_candidates(self, ids: np.ndarray, vals: np.ndarray, vocab: int, history: Sequence[int] = ()) -> int:
+        """`sample` over a row known only at `ids` (the `candidates_needed` largest logits, e.g. from
+        the GPU's top-k): the other logits count as -inf, which the chain drops first."""
+        full = np.full(int(vocab), -np.inf, dtype=np.float32)
+        full[np.asarray(ids, dtype=np.int64)] = np.asarray(vals, dtype=np.float32)
+        return self.sample(full, history)
 
     def probs(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
         """The final distribution (float64 [V], sums to 1); one-hot at the argmax when greedy.

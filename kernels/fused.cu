@@ -15,6 +15,7 @@
 //   attn_partial       attention: softmax over a split of the keys (flash-decoding style)
 //   attn_combine_prep  attention: merge the splits, sigmoid gate -> act16
 //   argmax_rows        greedy ids on the device (first NaN, else the lowest index of the max)
+//   topk_row           the k largest logits of a row (sampled decoding: only they cross to the host)
 //
 // CPU counterparts: kernels/cpu_backend.py (`fused_*` methods), held equal by tests/test_fused.py.
 // Determinism: every reduction has a fixed order that depends on a row's own length only, never
@@ -630,5 +631,104 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(
         }
         out[t] = idx;
         counters[t] = 0;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// topk_row: the k largest values of each row x[t][0..V) (row stride ld, 1 <= k <= V), ties at the
+// k-th value to the lowest indices (daemons/sampling.py's top_k rule), written in ascending index
+// order to ids[t][k], vals[t][k] (row stride k); meta[t] = the row's count of NaN / +inf values (the
+// sampler rejects such logits: the caller then reads the whole row). So a sampled token needs only
+// k candidates on the host instead of the vocabulary.
+// One block per row: a radix select of the k-th largest key, 8 bits a pass over the row (counts in a
+// shared histogram: the same whatever order the adds land in), then each thread takes a contiguous
+// run of the row, and a scan of the per-thread counts places the chosen values in index order.
+// Keys order like the floats (negatives complemented; -0 as +0, so the two zeros tie as they do in
+// numpy); NaN keys sit above +inf and are only counted.
+#define TOPK_THREADS 512
+__device__ __forceinline__ unsigned topk_key(float v) {
+    unsigned u = __float_as_uint(v);
+    if (u == 0x80000000u) u = 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_row(
+    const float* __restrict__ x, int V, int ld, int k, int* __restrict__ out_ids, float* __restrict__ out_vals,
+    int* __restrict__ meta) {
+    __shared__ int hist[256];
+    __shared__ unsigned s_prefix;
+    __shared__ int s_rem, s_bad;
+    __shared__ int s_above[TOPK_THREADS], s_ties[TOPK_THREADS];
+    trigger_dependents();
+    grid_dependency_wait();
+    const int tid = threadIdx.x, nth = blockDim.x;
+    const float* xr = x + (size_t)blockIdx.x * ld;
+    if (tid == 0) s_bad = 0;
+    unsigned prefix = 0u, mask = 0u;
+    int rem = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += nth) hist[i] = 0;
+        __syncthreads();
+        int bad = 0;
+        for (int i = tid; i < V; i += nth) {
+            const float v = xr[i];
+            if (shift == 24 && !(v < __int_as_float(0x7f800000))) ++bad;     // NaN or +inf
+            const unsigned key = topk_key(v);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+        }
+        if (bad) atomicAdd(&s_bad, bad);
+        __syncthreads();
+        if (tid == 0) {               // the digit holding the rem-th largest key among those left
+            int cum = 0, d = 255;
+            for (; d > 0; --d) {
+                if (cum + hist[d] >= rem) break;
+                cum += hist[d];
+            }
+            s_prefix = prefix | ((unsigned)d << shift);
+            s_rem = rem - cum;
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        rem = s_rem;                  // how many keys equal to the selected prefix to take
+        mask |= 255u << shift;
+    }
+    const unsigned kth = prefix;
+    // per-thread contiguous runs, counted, scanned, then written in index order
+    const int len = (V + nth - 1) / nth, i0 = min(V, tid * len), i1 = min(V, i0 + len);
+    int above = 0, ties = 0;
+    for (int i = i0; i < i1; ++i) {
+        const unsigned key = topk_key(xr[i]);
+        above += key > kth;
+        ties += key == kth;
+    }
+    s_above[tid] = above;
+    s_ties[tid] = ties;
+    __syncthreads();
+    if (tid == 0) {
+        int a = 0, t = 0;
+        for (int j = 0; j < nth; ++j) {
+            const int na = s_above[j], nt = s_ties[j];
+            s_above[j] = a;
+            s_ties[j] = t;
+            a += na;
+            t += nt;
+        }
+        meta[blockIdx.x] = s_bad;
+    }
+    __syncthreads();
+    int tie_rank = s_ties[tid];
+    int pos = s_above[tid] + min(tie_rank, rem);
+    int* ids = out_ids + (size_t)blockIdx.x * k;
+    float* vals = out_vals + (size_t)blockIdx.x * k;
+    for (int i = i0; i < i1; ++i) {
+        const float v = xr[i];
+        const unsigned key = topk_key(v);
+        bool take = key > kth;
+        if (key == kth) take = tie_rank++ < rem;
+        if (take) {
+            ids[pos] = i;
+            vals[pos] = v;
+            ++pos;
+        }
     }
 }

@@ -42,6 +42,8 @@ ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
 
 MM_B_ROW = 264                      # halves per staged activation row (mma_matmul.cu)
+TOPK_THREADS = 512                  # fused.cu TOPK_THREADS
+TOPK_MAX = 4096                     # the most candidates a step hands to the host sampler
 MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
 MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 
@@ -313,6 +315,15 @@ class FusedGpu:
         kern = self._k("fused.cu", "attn_combine_prep")
         args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(ATT_SPLITS), act.x16, act.xs, np.int32(act.ld16))
         return Op(label, kern, (T, -(-(H * D) // PREP_COLS)), (FUSED_THREADS,), args)
+
+    def op_topk(self, label: str, logits, V: int, ld: int, k: int, out_ids, out_vals, meta, n_rows: int) -> Op:
+        """The k largest logits of each row (fused.cu topk_row): ids / vals [n_rows][k], meta[n_rows]
+        = NaN / +inf count."""
+        if not 1 <= k <= V:
+            raise ValueError(f"{label}: top-k of {k} over {V} values")
+        kern = self._k("fused.cu", "topk_row")
+        args = (logits, np.int32(V), np.int32(ld), np.int32(k), out_ids, out_vals, meta)
+        return Op(label, kern, (n_rows,), (TOPK_THREADS,), args, pdl=False)
 
     def op_argmax(self, label: str, logits, V: int, ld: int, out_ids, n_rows: int) -> Op:
         xp = self.xp

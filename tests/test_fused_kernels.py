@@ -334,6 +334,37 @@ def test_argmax_rows(dev):
     assert _h(xp, out).tolist() == np.argmax(x, axis=1).tolist()
 
 
+def test_topk_rows_select_like_the_sampler(dev):
+    """topk_row against daemons.sampling.top_candidates (the sampler's own top_k rule): ties at the
+    k-th value to the lowest ids, -0.0 tying 0.0, -inf tails, k up to the whole row; NaN / +inf
+    counted so the caller can hand the sampler the row to reject."""
+    from daemons.sampling import top_candidates
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(4)
+    V = 3001 if name == "emu" else 248320
+    x = rng.standard_normal((6, V)).astype(np.float32)
+    x[1, rng.integers(0, V, 200)] = 1.5                    # many ties at the boundary
+    x[2, :] = 0.0
+    x[2, ::3] = -0.0
+    x[3, 100:] = -np.inf                                   # fewer finite values than k
+    x[4, :] = np.round(x[4, :] * 4) / 4                    # coarse values: ties everywhere
+    x[5, 77] = np.nan
+    x[5, 78] = np.inf
+    xd = xp.array(x)
+    for k in (1, 40, 300, V):
+        ids = xp.zeros((6, k), dtype=xp.int32)
+        vals = xp.zeros((6, k), dtype=xp.float32)
+        meta = xp.full(6, -1, dtype=xp.int32)
+        fg.op_topk("k", xd, V, V, k, ids, vals, meta, 6)()
+        got_i, got_v, got_m = _h(xp, ids), _h(xp, vals), _h(xp, meta)
+        assert got_m.tolist() == [0, 0, 0, 0, 0, 2], f"{name} k={k}: NaN / +inf counts {got_m}"
+        for r in range(5):
+            ref_i, ref_v = top_candidates(x[r], k)
+            assert got_i[r].tolist() == ref_i.tolist(), f"{name} row {r} k={k}: ids differ"
+            assert np.array_equal(got_v[r].view(np.uint32), ref_v.view(np.uint32)), f"{name} row {r} k={k}: values"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(NO_GPU is not None, reason=f"no GPU backend: {NO_GPU}")
 def test_hardware_mma_matches_shuffle_mma():

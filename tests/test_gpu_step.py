@@ -235,6 +235,53 @@ def test_speculative_decoding_equals_greedy(models):
         assert spec.stats.steps > 0
 
 
+def test_sampled_generation_reads_only_candidates_and_equals_the_row(models, monkeypatch):
+    """Sampled decoding on the step hands the host only the top_k (+ penalised) candidates
+    (logits="topk_last", selected on the device); the tokens must be the ones sampling each whole
+    row gives with the same seed."""
+    from daemons.generate import GenerationRequest, generate_all
+    from daemons.sampling import SamplingParams, top_candidates
+    from daemons.tokenizer import Tokenizer
+    name, kind, cpu, dev = models
+    tok = Tokenizer.from_metadata(dev.metadata)
+    prompt = _prompt(dev.n_vocab, 7, seed=3)
+    n = 12 if name == "emu" else 40
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, repeat_penalty=1.2, repeat_last_n=32, seed=9)
+
+    # the step's candidates are the largest logits of the row it computed
+    st = dev.new_state(64)
+    dev.forward(prompt, st, logits="none")
+    ids, vals = dev.forward([prompt[-1]], st, logits="topk_last", top_k=25)
+    st2 = dev.new_state(64)
+    dev.forward(prompt, st2, logits="none")
+    row = dev.forward([prompt[-1]], st2, logits="last")[0]
+    ref_i, ref_v = top_candidates(row, 25)
+    assert ids.tolist() == ref_i.tolist() and np.array_equal(vals, ref_v)
+    st3 = cpu.new_state(64)                                # the same call without a GPU: from the host row
+    cpu.forward(prompt, st3, logits="none")
+    c_ids, c_vals = cpu.forward([prompt[-1]], st3, logits="topk_last", top_k=25)
+    st4 = cpu.new_state(64)
+    cpu.forward(prompt, st4, logits="none")
+    c_ref = top_candidates(cpu.forward([prompt[-1]], st4, logits="last")[0], 25)
+    assert c_ids.tolist() == c_ref[0].tolist() and np.array_equal(c_vals, c_ref[1])
+
+    asked = []
+    real_forward = dev.forward
+
+    def spy(*a, **kw):
+        asked.append(kw.get("logits", "last"))
+        return real_forward(*a, **kw)
+
+    monkeypatch.setattr(dev, "forward", spy)
+    got = generate_all(dev, tok, GenerationRequest(prompt_ids=tuple(prompt), max_tokens=n, sampling=params))
+    assert asked.count("topk_last") == n - 1, f"decode steps asked for {asked}"
+    monkeypatch.setattr(type(dev), "device_topk", property(lambda self: False))
+    asked.clear()
+    full = generate_all(dev, tok, GenerationRequest(prompt_ids=tuple(prompt), max_tokens=n, sampling=params))
+    assert "topk_last" not in asked
+    assert got.token_ids == full.token_ids
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(NO_GPU is not None, reason=f"no GPU backend: {NO_GPU}")
 def test_real_dflash_draft_on_the_step(tmp_path):

@@ -341,3 +341,43 @@ def test_bad_logits_and_history_raise():
         s.sample(np.zeros((2, 4), dtype=np.float32))
     # [1, V] (what model.forward returns) is accepted.
     assert s.sample(np.array([[0.0, 9.0, 0.0]], dtype=np.float32)) in (0, 1, 2)
+
+
+# ---- candidates selected elsewhere (a GPU's top-k): the same token as the whole row --------------
+def test_sampling_from_the_needed_candidates_equals_sampling_the_row():
+    """Guards the device top-k path of generation: with top_k on and penalties that only lower
+    logits, sampling from the top_k + H largest logits (H = distinct penalised tokens) must pick the
+    very token, RNG step for RNG step, that sampling the whole row picks — ties at the k-th value,
+    penalised tokens dropping out of the top, -inf tails and all."""
+    from daemons.sampling import top_candidates
+    rng = np.random.default_rng(11)
+    V = 3000
+    settings_ = [dict(temperature=0.8, top_k=40), dict(temperature=1.3, top_k=5, top_p=0.9),
+                 dict(temperature=0.7, top_k=64, min_p=0.05, repeat_penalty=3.0, repeat_last_n=64),
+                 dict(temperature=1.0, top_k=1), dict(temperature=1.1, top_k=20, frequency_penalty=0.5,
+                                                      presence_penalty=0.3, repeat_last_n=-1)]
+    for params in settings_:
+        a, b = Sampler(SamplingParams(seed=5, **params)), Sampler(SamplingParams(seed=5, **params))
+        for step in range(60):
+            logits = rng.standard_normal(V).astype(np.float32) * 3
+            logits[rng.integers(0, V, 50)] = 2.5                 # ties
+            logits[rng.integers(0, V, 30)] = -np.inf
+            history = list(rng.integers(0, 200, 40))             # penalised ids crowd the top ...
+            logits[np.array(history)] += 12                      # ... and fall out of it
+            logits[:200] += 1
+            k = a.candidates_needed(history, V)
+            assert 0 < k <= V
+            ids, vals = top_candidates(logits, k)
+            assert a.sample(logits, history) == b.sample_candidates(ids, vals, V, history), (params, step)
+
+
+def test_candidates_needed_refuses_what_can_raise_a_logit():
+    history = [1, 2, 2, 3]
+    assert Sampler(SamplingParams(temperature=0.0, top_k=40)).candidates_needed(history, 1000) == 0
+    assert Sampler(SamplingParams(temperature=0.8, top_k=0)).candidates_needed(history, 1000) == 0
+    assert Sampler(SamplingParams(temperature=0.8, top_k=40, repeat_penalty=0.9)).candidates_needed(history, 1000) == 0
+    assert Sampler(SamplingParams(temperature=0.8, top_k=40, presence_penalty=-0.5)).candidates_needed(history, 1000) == 0
+    assert Sampler(SamplingParams(temperature=0.8, top_k=40, repeat_penalty=1.2)).candidates_needed(history, 1000) == 43
+    assert Sampler(SamplingParams(temperature=0.8, top_k=40)).candidates_needed(history, 1000) == 40
+    assert Sampler(SamplingParams(temperature=0.8, top_k=990, repeat_penalty=1.2)).candidates_needed(history, 1000) == 993
+    assert Sampler(SamplingParams(temperature=0.8, top_k=999, repeat_penalty=1.2)).candidates_needed(history, 1000) == 1000
