@@ -2,7 +2,7 @@
 
 `Qwen35Model` (daemons/qwen35.py) hands `forward`, `prefill`, `verify` and `rollback` to a
 `Qwen35GpuStep` when it runs on a GPU backend and every matrix has a tensor-core layout
-(kernels/fused_gpu.py TC_TYPES: Q4_K, Q5_K, Q6_K, Q8_0, F16). A step of T <= 32 tokens is, per
+(kernels/fused_gpu.py TC_TYPES: Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS, F16). A step of T <= 32 tokens is, per
 layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
 
     DeltaNet   prep(attn_norm) -> mm[qkv | z | alpha | beta] -> gdn_conv -> gdn_recur -> gdn_out_prep

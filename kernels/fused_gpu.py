@@ -239,7 +239,9 @@ class FusedGpu:
         ld_out = out_act.ld16 if out_act is not None else 0
         args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
                 outxs, np.int32(ld_out))
-        return Op(label, kern, (gx,), (MM_THREADS,), args, smem, sum(w.nbytes for w in weights), tuple(keep))
+        issuer = nt == 1 and "MM_ISSUER_WARP=0" not in variant      # mma_matmul.cu MM_BLOCK_THREADS
+        return Op(label, kern, (gx,), (MM_THREADS + (32 if issuer else 0),), args, smem,
+                  sum(w.nbytes for w in weights), tuple(keep))
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,

@@ -56,7 +56,17 @@
 // block sums directly.
 #include "tc_common.cuh"
 
-#define MM_THREADS 128
+#define MM_THREADS 128                   // the four warps that compute (one tile each)
+// Decode widths (one 8-column MMA tile, T <= 8) add a fifth warp that only issues the copies, so no
+// computing warp starts its stage late and holds the others at the stage barrier (warp 0 did both:
+// ncu put a third of the stall cycles on that barrier). Wider batches keep warp 0 as the issuer:
+// their registers do not fit five warps in four blocks per multiprocessor. Both do the same
+// arithmetic in the same order, so rows stay batch-invariant.
+#ifndef MM_ISSUER_WARP
+#define MM_ISSUER_WARP 1
+#endif
+#define MM_BLOCK_THREADS(NT) ((MM_ISSUER_WARP && (NT) == 1) ? 160 : 128)
+#define MM_ISSUER(NT) ((MM_ISSUER_WARP && (NT) == 1) ? 4 : 0)
 
 struct MmSeg {                 // one matrix of a launch; all share the type, n_in and the epilogue
     unsigned long long w;      // tiled weight
@@ -424,6 +434,7 @@ __device__ __forceinline__ void mm_swiglu_epilogue(const float* sres, int lrb, i
                                                    u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
     constexpr int F = 32, GROUPS = F / 8;
     const int items = T * GROUPS;
+    if (tid >= MM_THREADS) return;               // the issuer warp (the loop below has warp shuffles only)
     for (int base = 0; base < items; base += MM_THREADS) {
         const int item = base + tid;
         const bool valid = item < items;
@@ -463,6 +474,7 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
                                                  u16* __restrict__ outxs, int ld_out16) {
     const int g = lane >> 2, c = lane & 3;
     if (MODE != MODE_SWIGLU) {
+        if (warp >= 4) return;                   // the issuer warp holds no tile
         const MmSeg& sg = s_segs[seg];
         float* y = (float*)sg.y;
 #pragma unroll
@@ -482,7 +494,7 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int tok = nt * 8 + 2 * c + (i & 1);
-                if (tok < T) sres[tok * MM_SROW + warp * 16 + g + 8 * (i >> 1)] = acc[nt][i];
+                if (tok < T && warp < 4) sres[tok * MM_SROW + warp * 16 + g + 8 * (i >> 1)] = acc[nt][i];
             }
         __syncthreads();
         mm_swiglu_epilogue(sres, lrb, T, s_segs[0].n_rows, threadIdx.x, out16, outxs, ld_out16);
@@ -524,9 +536,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int ld_x = n_sb * 256, ld_xs = n_sb * 16;
 
     // Stage k holds flat superblock f: the row block's 4 units, the T activation rows, their block
-    // sums. Warp 0 issues each stage as bulk copies completing on the stage's mbarrier (TMA on
-    // sm_90): lane 0 the units, lane r activation row r. Its cursor walks the stripe ahead of the
-    // consumers by n_stages - 1 superblocks.
+    // sums. The issuer warp (MM_ISSUER) issues each stage as bulk copies completing on the stage's
+    // mbarrier (TMA on sm_90): lane 0 the units, lane r activation row r. Its cursor walks the
+    // stripe ahead of the computing warps by n_stages - 1 superblocks.
     __shared__ MmSeg s_segs[4];
     __shared__ __align__(8) unsigned long long s_bar[8];
     if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
@@ -536,7 +548,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const unsigned b_bytes = (unsigned)n_rows_b * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
-    auto issue_w = [&]() {                       // lane 0 of warp 0: arm the barrier, copy the units
+    auto issue_w = [&]() {                       // lane 0 of the issuer: arm the barrier, copy the units
         int tiles[4], ss[4];
         unsigned bytes = b_bytes;
 #pragma unroll
@@ -552,7 +564,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                 bulk_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + i_sb) * UNIT,
                           UNIT, &s_bar[i_k]);
     };
-    auto issue_x = [&](int k, int sb) {          // lane r < T of warp 0: activation row r and its sums
+    auto issue_x = [&](int k, int sb) {          // lane r < T of the issuer: activation row r and its sums
         if (lane < n_rows_b) {
             unsigned char* st = smem + k * STAGE;
             bulk_copy(st + G::A_BYTES + lane * (MM_B_ROW * 2), x16 + (size_t)lane * ld_x + (size_t)sb * 256, 512u,
@@ -574,14 +586,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // Weights do not depend on the previous kernel: their first stages are requested before
     // waiting for it (programmatic dependent launch), the activations after.
     const int n_pro = min(n_stages - 1, f1 - f0);
-    if (warp == 0) {
+    constexpr int ISSUER = MM_ISSUER(NT);
+    if (warp == ISSUER) {
         for (int k = 0; k < n_pro; ++k) {
             if (lane == 0) issue_w();
             advance();
         }
     }
     grid_dependency_wait();
-    if (warp == 0) {
+    if (warp == ISSUER) {
         int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
         for (int k = 0; k < n_pro; ++k) {
             issue_x(k, sbk);
@@ -601,6 +614,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         const int first = stripe_owner((long long)rbx * n_sb, W, Gn);
         const int slot = (int)blockIdx.x == first ? 1 : 0;
         float* part = ws + ((size_t)blockIdx.x * 2 + slot) * (size_t)(T * ROWS);
+        if (warp >= 4) return;                   // the issuer warp holds no tile
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -641,13 +655,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             return v;
         };
         if (MODE == MODE_SWIGLU) {
-            for (int i = tid; i < n_el; i += MM_THREADS) sres[(i / ROWS) * SROW + (i % ROWS)] = sum_parts(i);
+            for (int i = tid; i < n_el && tid < MM_THREADS; i += MM_THREADS) sres[(i / ROWS) * SROW + (i % ROWS)] = sum_parts(i);
             __syncthreads();
             mm_swiglu_epilogue(sres, lrx, T, s_segs[0].n_rows, tid, out16, outxs, ld_out16);
         } else {
             const MmSeg& sg = s_segs[sgx];
             float* y = (float*)sg.y;
-            for (int i = tid; i < n_el; i += MM_THREADS) {
+            for (int i = tid; i < n_el && tid < MM_THREADS; i += MM_THREADS) {
                 const int tok = i / ROWS, row = lrx * ROWS + i % ROWS;
                 if (row < sg.n_rows) {
                     const float v = sum_parts(i);
@@ -667,14 +681,14 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (f == f0 || sb == 0) {                // a new row block
             rb_locate<MODE>(s_segs, n_segs, rb, seg, lrb);
             slot_tile<MODE>(seg, lrb, warp, s_w, tile_w);
-            ok = tile_w < s_segs[s_w].n_tiles;
+            ok = warp < 4 && tile_w < s_segs[s_w].n_tiles;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
         }
         __syncthreads();                         // everyone is done with the stage refilled below
-        if (warp == 0 && i_f < f1) {
+        if (warp == ISSUER && i_f < f1) {
             if (lane == 0) issue_w();
             warp_sync();
             issue_x(i_k, i_sb);
@@ -760,7 +774,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 
 #if defined(MM_QT)
 // One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_MODE=<0..2>
-extern "C" __global__ void __launch_bounds__(MM_THREADS, 4)
+extern "C" __global__ void __launch_bounds__(MM_BLOCK_THREADS(MM_NT), 4)
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
       int n_sb, int T, float* __restrict__ ws, int* __restrict__ counters,
       u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
