@@ -39,14 +39,16 @@
 //   F16          A = w, acc += A.x.
 // Activations are rounded to f16 once (2^-11 relative); everything else is f32.
 //
-// Work split. A thread block of 4 warps works on row blocks of 4 tiles (one per warp; for SwiGLU
-// 2 gate + 2 up tiles of the same rows) superblock by superblock, its units and activation rows
-// streamed into shared memory by a pipeline of bulk copies (TMA) several stages deep. The flat space (row
-// block, superblock) is cut into one contiguous stripe per thread block (grid = a fixed number per
-// matrix, about two blocks per multiprocessor), so every block streams the same number of bytes
-// whatever the matrix shape; a row block cut between stripes is finished by the last of its
-// stripes to arrive, which adds the partial sums in stripe order (deterministic; a counter per row
-// block, reset by that block so a CUDA graph can replay the launch).
+// Work split. A thread block of 4 computing warps works on row blocks of 4 tiles (one per warp; for
+// SwiGLU 2 gate + 2 up tiles of the same rows) superblock by superblock, its units and activation
+// rows streamed into shared memory by a pipeline of bulk copies (TMA) 2-3 stages deep, issued by
+// a fifth warp at decode widths (T <= 8) and by warp 0 otherwise. The flat space (row block,
+// superblock) is cut into one contiguous stripe per thread block (grid = a fixed number per
+// matrix, four blocks per multiprocessor, all resident), so every block streams the same number of
+// bytes whatever the matrix shape. A row block wholly inside a stripe is written straight from the
+// MMA fragments; one cut between stripes (only a stripe's first and last can be) is finished by
+// the last of its stripes to arrive, which adds the partial sums in stripe order (deterministic; a
+// counter per row block, reset by that block so a CUDA graph can replay the launch).
 // Batch invariance: a row's result depends only on its own activation row (MMA columns are
 // independent, the stripes depend on the matrix and the grid, never on T), so decoding 1 token or
 // verifying 23 gives bit-identical rows; speculative decoding relies on it.
@@ -356,8 +358,8 @@ __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z));
 
 // Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes). A
 // stage holds the row block's 4 units, then the T activation rows actually used (row stride
-// MM_B_ROW halves: bank spread), then their block sums (K-quants with mins); it is sized by T so
-// that a decode step (T = 1) gets the deepest pipeline the shared-memory target allows.
+// MM_B_ROW halves: bank spread), then their block sums (K-quants with mins); it is sized by T, so
+// a decode step (T = 1) stages no activation rows it does not use.
 #define MM_B_ROW 264                       // halves per staged activation row (256 + 8: bank spread)
 #define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
 #define MM_MAX_STAGES 3                    // H200, bench_mm_gpu.py: 3 stages beat 4 and 5 (by 2-7%) at T = 1
