@@ -44,7 +44,6 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from daemons.sampling import Sampler, SamplingParams
-from kernels.fused_gpu import TOPK_MAX          # the most candidates a GPU step hands over
 
 __all__ = [
     "GenerationError",
@@ -227,8 +226,9 @@ def _sample_next(model: Any, state: Any, token: int, sampler: Sampler, history: 
     only lower logits: Sampler.candidates_needed), only those cross to the host; the token is the
     one `sample` over the whole row gives."""
     vocab = int(getattr(model, "n_vocab", 0) or 0)
-    k = sampler.candidates_needed(history, vocab) if getattr(model, "device_topk", False) and vocab else 0
-    if 0 < k <= TOPK_MAX:
+    k_max = int(getattr(model, "device_topk_max", 0) or 0)
+    k = sampler.candidates_needed(history, vocab) if k_max and vocab else 0
+    if 0 < k <= k_max:
         out = model.forward([token], state, logits="topk_last", top_k=k)
         if isinstance(out, tuple):
             ids, vals = out

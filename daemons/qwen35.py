@@ -464,10 +464,12 @@ class Qwen35Model:
 
     # -- running --------------------------------------------------------------------------------
     @property
-    def device_topk(self) -> bool:
-        """True when `forward(..., logits="topk_last")` selects the candidates on the device (only
-        they cross to the host); elsewhere it is offered too, computed from the host logits."""
-        return self.gpu_step is not None
+    def device_topk_max(self) -> int:
+        """The largest top_k for which `forward(..., logits="topk_last")` selects the candidates on
+        the device (only they cross to the host); 0 without a GPU step (the call then works from the
+        host logits, no cheaper than sampling them)."""
+        from kernels.fused_gpu import TOPK_MAX
+        return min(TOPK_MAX, self.n_vocab) if self.gpu_step is not None else 0
 
     def forward(self, token_ids: Sequence[int], state: Qwen35State, logits: str = "last",
                 capture_layers: Collection[int] | None = None, deltanet_mode: str = "auto", top_k: int = 0):

@@ -11,10 +11,10 @@ layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
                -> attn_combine_prep -> mm[attn_output] += x
     FFN        prep(post_attention_norm) -> mm[gate, up] with the SwiGLU epilogue -> mm[down] += x
 
-then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on the
-device for `topk_row`, so that only the candidates the sampler needs cross to the host). Matrices of one launch share a type; a layer whose
-fused projections have two types (llama.cpp's Q4_K_M gives attn_qkv Q6_K in some layers) takes two
-launches. The launch list for each (T, mode, logits, captured layers) is built once and captured
+then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on
+the device for `topk_row`, so that only the candidates the sampler needs cross to the host).
+Matrices of one launch share a type; a layer whose fused projections have two types (llama.cpp's
+Q4_K_M gives attn_qkv Q6_K in some layers) takes two launches. The launch list for each (T, mode, logits, captured layers) is built once and captured
 as a CUDA graph; a step then writes the params block (position, token ids), rebinds the state table
 if the state changed, launches the graph and reads back token ids (and logits only when asked).
 

@@ -275,7 +275,7 @@ def test_sampled_generation_reads_only_candidates_and_equals_the_row(models, mon
     monkeypatch.setattr(dev, "forward", spy)
     got = generate_all(dev, tok, GenerationRequest(prompt_ids=tuple(prompt), max_tokens=n, sampling=params))
     assert asked.count("topk_last") == n - 1, f"decode steps asked for {asked}"
-    monkeypatch.setattr(type(dev), "device_topk", property(lambda self: False))
+    monkeypatch.setattr(type(dev), "device_topk_max", property(lambda self: 0))
     asked.clear()
     full = generate_all(dev, tok, GenerationRequest(prompt_ids=tuple(prompt), max_tokens=n, sampling=params))
     assert "topk_last" not in asked
