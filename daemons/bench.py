@@ -181,10 +181,13 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 
 def write_synthetic_gguf(path: str | os.PathLike, shape: Any, *, mix: str = "q4_k_m", n_vocab: int = 0,
                          seed: int = 0, name: str = "synthetic-qwen35",
-                         progress: Callable[[str], None] | None = None) -> int:
+                         progress: Callable[[str], None] | None = None,
+                         tensor_types: dict[str, str] | None = None) -> int:
     """Write a qwen35 GGUF of `shape` (daemons.synthetic.Qwen35Shape) with random weights typed by
-    `mix` ("q4_k_m", "q8_0", "f16", "f32"), streaming the data (bounded memory). `n_vocab` pads the
-    byte vocabulary with unused tokens up to that size (0: the byte vocabulary). Returns the file size."""
+    `mix` ("q4_k_m", "q8_0", "f16", "f32"), streaming the data (bounded memory). `tensor_types` overrides
+    the type of the matrices whose name ends with a key ("ssm_alpha.weight": "F32"; F32, F16, BF16
+    or a quantised type). `n_vocab` pads the byte vocabulary with unused tokens up to that size (0:
+    the byte vocabulary). Returns the file size."""
     from gguf import GGMLQuantizationType as QT
     from gguf import GGUFWriter
 
@@ -201,7 +204,8 @@ def write_synthetic_gguf(path: str | os.PathLike, shape: Any, *, mix: str = "q4_
         if len(shp) == 1 or "ssm_conv1d" in tname:
             plan.append((tname, shp, "F32"))
         else:
-            plan.append((tname, shp, _matrix_type(mix, tname, shp[-1], shape.n_layer)))
+            over = [t for suffix, t in (tensor_types or {}).items() if tname.endswith(suffix)]
+            plan.append((tname, shp, over[0] if over else _matrix_type(mix, tname, shp[-1], shape.n_layer)))
 
     path = os.fspath(path)
     tmp = path + ".partial"
@@ -240,7 +244,15 @@ def write_synthetic_gguf(path: str | os.PathLike, shape: Any, *, mix: str = "q4_
             fout.write(b"\0" * pad)
         n_rows, n_in = int(np.prod(shp[:-1])), shp[-1]
         written = 0
-        if tn in ("F32", "F16"):
+        if tn == "BF16":
+            rows_per_chunk = max(1, _CHUNK_BYTES // (4 * n_in))
+            for r0 in range(0, n_rows, rows_per_chunk):
+                n = min(rows_per_chunk, n_rows - r0)
+                u = (rng.standard_normal((n, n_in), dtype=np.float32) / np.float32(math.sqrt(n_in))).view(np.uint32)
+                data = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)  # nearest even
+                data.tofile(fout)
+                written += data.nbytes
+        elif tn in ("F32", "F16"):
             dt = np.float32 if tn == "F32" else np.float16
             if len(shp) == 1 or "ssm_conv1d" in tname:
                 data = _float_values(tname, shp, rng).astype(dt)

@@ -59,7 +59,10 @@ def step_supported(model: Any) -> bool:
     for layer in model.layers:
         mats += [layer.ffn_gate, layer.ffn_up, layer.ffn_down]
         mats += [w for w in vars(layer.mixer).values() if hasattr(w, "n_out")]
-    return all(isinstance(w, TcWeight) for w in mats)
+    if not all(isinstance(w, TcWeight) for w in mats):
+        return False
+    # the SwiGLU launch pairs gate and up tile for tile: one type
+    return all(layer.ffn_gate.qtype == layer.ffn_up.qtype for layer in model.layers)
 
 
 @dataclass

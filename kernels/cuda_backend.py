@@ -437,15 +437,12 @@ class CudaBackend:
 
     def load_matmul_weight(self, tensor: Any) -> Any:
         """A matrix that is only multiplied (never looked up by rows): in the tensor-core layout
-        (kernels/fused_gpu.TcWeight) when its type has one, else as `load_weight`."""
-        from kernels.fused_gpu import TC_TYPES
-        ne = tuple(int(n) for n in tensor.ne)
-        if len(ne) == 2 and int(tensor.qtype) in TC_TYPES and ne[0] % 8 == 0:
-            try:
-                return self.fused.repack(str(tensor.name), int(tensor.qtype), ne[1], ne[0], np.asarray(tensor.raw))
-            except ValueError as exc:
-                raise BackendError(str(exc)) from None
-        return self.load_weight(tensor)
+        (kernels/fused_gpu.TcWeight; F32 / BF16 as F16 units) when it has one, else as `load_weight`."""
+        try:
+            tc = self.fused.repack_tensor(tensor)
+        except ValueError as exc:
+            raise BackendError(str(exc)) from None
+        return tc if tc is not None else self.load_weight(tensor)
 
     def load_vector(self, tensor: Any) -> Any:
         return self._cp.asarray(np.ascontiguousarray(tensor.dequantize(), dtype=np.float32))

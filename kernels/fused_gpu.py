@@ -29,6 +29,10 @@ TC_TYPE_NAMES = {QT_F16: "F16", QT_Q8_0: "Q8_0", QT_Q4_K: "Q4_K", QT_Q5_K: "Q5_K
                  QT_IQ4_XS: "IQ4_XS"}
 _GGUF_BLOCK = {QT_F16: (1, 2), QT_Q8_0: (32, 34), QT_Q4_K: (256, 144), QT_Q5_K: (256, 176), QT_Q6_K: (256, 210),
                QT_IQ4_XS: (256, 136)}
+QT_F32, QT_BF16 = 0, 30
+# Float matrices of a quantised file join the tensor-core path as F16 units, converted on the host
+# (`as_f16_rows`); a file whose matrices are all float keeps the plain layout (daemons/qwen35.py).
+TC_FLOAT_TYPES = (QT_F32, QT_BF16)
 MODE_STORE, MODE_ADD, MODE_SWIGLU = 0, 1, 2
 MM_THREADS = 128
 FUSED_THREADS = 256
@@ -56,6 +60,25 @@ def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
     if stages is None:
         stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
     return stages * stage
+
+
+def as_f16_rows(raw: np.ndarray, qtype: int, n_out: int, n_in: int) -> np.ndarray | None:
+    """F32 / BF16 GGUF rows (uint8 [n_out, row bytes]) as F16 rows (uint8 [n_out, 2 * n_in]), or
+    None when a value is beyond f16's range (|w| > 65504, or not finite). BF16 converts exactly
+    wherever f16 is normal (|w| >= 2^-14: its 8-bit mantissa fits f16's 10); F32 rounds once (2^-11
+    relative), far below the quantisation error of the matrices around it in a quantised file; values
+    under 2^-14 keep an absolute error <= 2^-25."""
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1)
+    if qtype == QT_BF16:
+        vals = (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif qtype == QT_F32:
+        vals = b.view(np.float32)
+    else:
+        raise ValueError(f"type {qtype} is not a float type")
+    vals = vals.reshape(n_out, n_in)
+    if not (np.abs(vals) <= 65504.0).all():        # NaN fails too
+        return None
+    return vals.astype(np.float16).view(np.uint8)
 
 
 def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = 4) -> int:
@@ -148,6 +171,25 @@ class FusedGpu:
                 kern.max_dynamic_shared_size_bytes = nbytes
 
     # -- weights --------------------------------------------------------------------------------
+    def repack_tensor(self, tensor: Any) -> TcWeight | None:
+        """A GGUF matrix in the tensor-core layout, or None when it has none (its type, a row that is
+        not a whole number of 8 columns, a float value beyond f16's range): the backend then keeps
+        the plain layout for it. Both GPU backends load their matrices through this."""
+        ne = tuple(int(n) for n in tensor.ne)
+        qtype = int(tensor.qtype)
+        if len(ne) != 2 or ne[0] % 8:
+            return None
+        n_in, n_out = ne
+        raw = np.asarray(tensor.raw)
+        if qtype in TC_FLOAT_TYPES:
+            raw = as_f16_rows(raw, qtype, n_out, n_in)
+            if raw is None:
+                return None
+            qtype = QT_F16
+        if qtype not in UNIT_BYTES:
+            return None
+        return self.repack(str(tensor.name), qtype, n_out, n_in, raw)
+
     def repack(self, name: str, qtype: int, n_out: int, n_in: int, raw: np.ndarray) -> TcWeight:
         """GGUF rows raw uint8 [n_out, row_bytes] -> TcWeight (done on the device)."""
         xp = self.xp

@@ -113,6 +113,48 @@ def test_prompt_logits_close_to_cpu(models, tmp_path):
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
 
 
+def test_float_matrices_of_a_quantised_file_join_the_step(device, tmp_path):
+    """A quantised file with some float matrices (F32 gates, a BF16 output projection, an F16 FFN
+    down) still runs as the fused step: the floats become F16 units (BF16 exactly, F32 rounded
+    once); one that does not fit f16 keeps the plain layout, and gate and up of two types (one
+    SwiGLU launch cannot pair them) keep the model off the step. Logits stay as close to the CPU
+    as the all-quantised file's do."""
+    from daemons.bench import write_synthetic_gguf
+    from daemons.qwen35 import Qwen35Model
+    from daemons.synthetic import Qwen35Shape
+    from kernels.cpu_backend import CPUBackend
+    from kernels.fused_gpu import QT_F16, TcWeight
+    name, backend = device
+    shape = Qwen35Shape(n_embd=256, n_layer=4, n_ff=512, n_head=2, n_head_kv=1, head_dim=128, n_k_heads=2,
+                        n_v_heads=4, ssm_head_dim=64, n_rot=32)
+    path = tmp_path / "mixed.gguf"
+    write_synthetic_gguf(path, shape, mix="q4_k_m", n_vocab=600, seed=3,
+                         tensor_types={"ssm_alpha.weight": "F32", "ssm_beta.weight": "F32", "attn_output.weight": "BF16",
+                                "blk.0.ffn_down.weight": "F16"})
+    cpu, dev = Qwen35Model.load(path, CPUBackend()), Qwen35Model.load(path, backend)
+    assert dev.gpu_step is not None
+    mx = dev.layers[0].mixer
+    assert isinstance(mx.w_alpha, TcWeight) and mx.w_alpha.qtype == QT_F16
+    prompt = _prompt(cpu.n_vocab, 24)
+    ref = cpu.forward(prompt, cpu.new_state(64), logits="all")
+    got = dev.forward(prompt, dev.new_state(64), logits="all")
+    r16 = Qwen35Model.load(path, _Round16())
+    inherent = _rel(r16.forward(prompt, r16.new_state(64), logits="all"), ref)
+    err = _rel(got, ref)
+    assert np.isfinite(got).all() and err <= max(2.0 * inherent, 1e-4), f"{name}: {err:.3g} (f16 inputs: {inherent:.3g})"
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+
+    class _T:                                              # a float matrix beyond f16's range
+        name, qtype, ne = "big", 0, (256, 16)
+        raw = np.full((16, 256), 1e5, dtype=np.float32).view(np.uint8)
+    assert dev.gpu_step.fg.repack_tensor(_T()) is None
+    write_synthetic_gguf(path, shape, mix="q4_k_m", n_vocab=600, seed=3, tensor_types={"blk.1.ffn_up.weight": "F16"})
+    odd = Qwen35Model.load(path, backend)
+    assert odd.gpu_step is None
+    if name == "cuda":                                     # the emulator has no backend-operation path
+        assert np.isfinite(odd.forward(prompt[:4], odd.new_state(16))).all()
+
+
 def test_greedy_tokens_match_cpu(models):
     name, kind, cpu, dev = models
     n = 16 if name == "emu" else 64

@@ -224,11 +224,8 @@ class EmuBackend(EmuDevice):
         return GpuWeight(str(tensor.name), int(tensor.qtype), n_out, n_in, row_bytes, n_out * row_bytes, data)
 
     def load_matmul_weight(self, tensor: Any):
-        from kernels.fused_gpu import TC_TYPES
-        n_in, n_out = (int(n) for n in tensor.ne)
-        if int(tensor.qtype) in TC_TYPES and n_in % 8 == 0:
-            return self.fused.repack(str(tensor.name), int(tensor.qtype), n_out, n_in, np.asarray(tensor.raw))
-        return self.load_weight(tensor)
+        tc = self.fused.repack_tensor(tensor)
+        return tc if tc is not None else self.load_weight(tensor)
 
     def load_vector(self, tensor: Any) -> np.ndarray:
         return np.ascontiguousarray(tensor.dequantize(), dtype=np.float32)
