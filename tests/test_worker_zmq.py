@@ -432,11 +432,15 @@ def test_silent_router_cancels_work_and_worker_rehellos_then_sigterm(root, model
     # Guards: a worker generating forever for a router that died (PROTOCOL.md §3: it cancels and
     # re-sends HELLO until the router speaks), and SIGTERM exiting without WORKER_DEAD(shutdown).
     interval = 0.2
-    router, proc = start_worker(root, model, "zmq-lost", "--heartbeat-interval", str(interval))
+    # 1000 tokens: twice the 0.6 s of silence the worker waits for even on an idle machine (the
+    # tiny model decodes ~800 tok/s there: 450 tokens once finished before the cancel); the tiny
+    # model has no prompt that runs much longer without an end-of-generation token
+    n_gen = 1000
+    router, proc = start_worker(root, model, "zmq-lost", "--heartbeat-interval", str(interval), "--ctx-size", "2048")
     try:
         router.send(Heartbeat(worker_id="zmq-lost", seq=1, time=time.time()))  # this router heartbeats...
-        prompt = ref.long_prompt(20, 450)
-        router.send(Generate(request_id="l-gen", prompt_ids=prompt, max_tokens=450))
+        prompt = ref.long_prompt(20, n_gen)
+        router.send(Generate(request_id="l-gen", prompt_ids=prompt, max_tokens=n_gen))
         t_silent = time.monotonic()  # ...and from here on says nothing
         hellos, done = 0, None
         while hellos < 2 or done is None:  # the DONE may follow the first HELLO by one (cold) step
@@ -445,7 +449,7 @@ def test_silent_router_cancels_work_and_worker_rehellos_then_sigterm(root, model
             if isinstance(msg, Done):
                 done = msg
             hellos += isinstance(msg, Hello)
-        assert done is not None and done.finish_reason == FinishReason.CANCELLED and done.usage.completion_tokens < 450
+        assert done is not None and done.finish_reason == FinishReason.CANCELLED and done.usage.completion_tokens < n_gen
         assert time.monotonic() - t_silent >= 3 * interval
         # The router is back and heartbeats again: the HELLOs stop (after any already on the wire).
         t_back, late_hellos = time.monotonic(), 0
