@@ -68,17 +68,18 @@ def as_f16_rows(raw: np.ndarray, qtype: int, n_out: int, n_in: int) -> np.ndarra
     wherever f16 is normal (|w| >= 2^-14: its 8-bit mantissa fits f16's 10); F32 rounds once (2^-11
     relative), far below the quantisation error of the matrices around it in a quantised file; values
     under 2^-14 keep an absolute error <= 2^-25."""
-    b = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1)
-    if qtype == QT_BF16:
-        vals = (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    elif qtype == QT_F32:
-        vals = b.view(np.float32)
-    else:
+    if qtype not in TC_FLOAT_TYPES:
         raise ValueError(f"type {qtype} is not a float type")
-    vals = vals.reshape(n_out, n_in)
-    if not (np.abs(vals) <= 65504.0).all():        # NaN fails too
-        return None
-    return vals.astype(np.float16).view(np.uint8)
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1)
+    out = np.empty((n_out, n_in), dtype=np.float16)
+    step = max(1, (32 << 20) // (4 * n_in))        # rows per chunk: a 2.5 GB LM head needs no 5 GB copy
+    for r0 in range(0, n_out, step):
+        rows = b[r0:r0 + step]
+        vals = (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if qtype == QT_BF16 else rows.view(np.float32)
+        if not (np.abs(vals) <= 65504.0).all():    # NaN fails too
+            return None
+        out[r0:r0 + step] = vals
+    return out.view(np.uint8)
 
 
 def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = 4) -> int:

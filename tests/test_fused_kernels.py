@@ -397,3 +397,23 @@ def test_hardware_mma_matches_shuffle_mma():
     ref = fused_ref.mm_ref(xr, raw, QT_Q4_K, n_in)
     assert _rel(xp.asnumpy(y_hw), ref) <= 2e-6
     assert _rel(xp.asnumpy(y_sw), ref) <= 2e-6
+
+
+def test_float_rows_as_f16_units_input():
+    """as_f16_rows (F32 / BF16 matrices of a quantised file, headed for F16 units): BF16 converts
+    exactly in f16's normal range, F32 rounds once to nearest, across the row chunks of a matrix
+    too tall for one; a value beyond f16's range (or NaN) anywhere refuses the conversion."""
+    from kernels.fused_gpu import QT_BF16, QT_F32, as_f16_rows
+    rng = np.random.default_rng(8)
+    n_out, n_in = 70_000, 128                     # 35 MB of f32: more than one 32 MB chunk
+    x = (rng.standard_normal((n_out, n_in)) * 3).astype(np.float32)
+    bf = (x.view(np.uint32) >> 16).astype(np.uint16)
+    bf_vals = (bf.astype(np.uint32) << 16).view(np.float32)
+    got = as_f16_rows(bf.view(np.uint8), QT_BF16, n_out, n_in).view(np.float16)
+    normal = np.abs(bf_vals) >= 2.0 ** -14
+    assert np.array_equal(got.astype(np.float32)[normal], bf_vals[normal])
+    assert np.array_equal(as_f16_rows(x.view(np.uint8), QT_F32, n_out, n_in).view(np.float16), x.astype(np.float16))
+    for bad in (7e4, np.nan, -np.inf):
+        y = x.copy()
+        y[n_out - 1, 3] = bad                     # in the last chunk
+        assert as_f16_rows(y.view(np.uint8), QT_F32, n_out, n_in) is None
