@@ -492,8 +492,12 @@ class Qwen35Model:
         if deltanet_mode not in ("auto", "recurrent", "chunked"):
             raise ModelInputError(f"deltanet_mode must be 'auto', 'recurrent' or 'chunked', got {deltanet_mode!r}")
         ids = self._check_call(token_ids, state, capture_layers)
-        if self.gpu_step is not None:
+        if self.gpu_step is not None and len(ids) < getattr(self.backend, "wide_batch_min", math.inf):
             return self._gpu_forward(ids, state, logits, capture_layers, top_k)
+        # (a GPU step's model forwards wide batches, prefill chunks of `wide_batch_min` tokens or
+        # more, through the backend operations below: their matmuls are cuBLAS GEMMs on f16
+        # dequantised weights, compute-bound where the step's kernels re-read the weights every
+        # 32 tokens)
         if logits == "topk_last":
             out = self.forward(ids, state, logits="last", capture_layers=capture_layers, deltanet_mode=deltanet_mode)
             lg, cap = out if capture_layers is not None else (out, None)
@@ -724,7 +728,8 @@ class Qwen35Model:
         alpha = b.matmul(xn, w.w_alpha) + w.dt_bias
         if record is not None:
             record.conv_inputs[il] = xp.concatenate([state.conv[il], qkv], axis=0)
-        conv_out, state.conv[il] = b.causal_conv1d_silu(qkv, state.conv[il], w.conv)
+        conv_out, new_conv = b.causal_conv1d_silu(qkv, state.conv[il], w.conv)
+        state.conv[il][...] = new_conv       # in place: a GPU step's state table points at this array
         q = b.l2_norm(conv_out[:, :nk * dk].reshape(T, nk, dk), hp.rms_eps)
         k = b.l2_norm(conv_out[:, nk * dk:2 * nk * dk].reshape(T, nk, dk), hp.rms_eps)
         v = conv_out[:, 2 * nk * dk:].reshape(T, nv, dv)

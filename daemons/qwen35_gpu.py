@@ -18,6 +18,11 @@ Q4_K_M gives attn_qkv Q6_K in some layers) takes two launches. The launch list f
 as a CUDA graph; a step then writes the params block (position, token ids), rebinds the state table
 if the state changed, launches the graph and reads back token ids (and logits only when asked).
 
+A forward of `backend.wide_batch_min` tokens or more (a prefill chunk) does not use the step:
+daemons/qwen35.py runs it through the backend operations, whose matrix products are then cuBLAS
+GEMMs on weights dequantised to f16 (kernels/cuda_backend.py `_wide_matmul`), compute-bound where
+this step would read every weight again each 32 tokens. It writes the same state arrays in place.
+
 Modes:
 - advance (decode, prefill chunks): the conv and delta-rule states are updated in place.
 - verify (speculative): nothing of the recurrent state is written; each DeltaNet layer keeps its

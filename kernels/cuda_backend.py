@@ -27,7 +27,12 @@ repacks Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0 and F16 matrices into the tensor-core lay
 `kernels/mma_matmul.cu` (`kernels.fused_gpu.TcWeight`: the same bytes, reordered); `matmul` runs
 those through the tensor-core kernel, and a model whose matrices all have that layout runs its
 steps through `daemons/qwen35_gpu.py` (fused kernels, CUDA graphs, `capture_graph` /
-`launch_graph`, programmatic dependent launch where the driver allows it).
+`launch_graph`, programmatic dependent launch where the driver allows it). From `WIDE_MIN_T` rows
+on (prefill chunks), a tensor-core weight is instead dequantised to f16 a slice of rows at a time
+(`WIDE_SCRATCH_BYTES`, mma_matmul.cu `units_f16_*`) and multiplied by cuBLAS (f16 in, f32
+accumulate and out): compute-bound at hundreds of rows, where the tensor-core kernel would read
+the weights again every 32 rows. Those rows are not bit-identical to the same rows of a narrower
+batch (decode and verify, which never reach `WIDE_MIN_T`, are).
 
 Kernel sources are CUDA C++ that also compiles for HIP (see the .cu headers); each module is
 compiled once per process (CuPy also keeps a disk cache) and looked up by name. Importing this
@@ -75,11 +80,16 @@ MATVEC_GROUPS = 4           # 32-thread row groups per block of the generic kern
 MATVEC_MAX_T = 8            # activation rows one matvec launch handles
 MATVEC_LOOP_MAX_T = 64      # up to this many rows, loop matvec launches; beyond, dequantise + GEMM
 DEQUANT_TILE_BYTES = 64 << 20   # f32 bytes of weight rows dequantised at a time on the GEMM path
+WIDE_MIN_T = 64             # rows from which a tensor-core weight's product is f16 dequantise + cuBLAS
+WIDE_SCRATCH_BYTES = 256 << 20  # f16 bytes of weight rows dequantised at a time on that path
 WEIGHT_PAD_BYTES = 16       # 2-byte-aligned words are read as aligned 32-bit pairs: may touch 2 bytes past the end
 DELTANET_COLS, DELTANET_PARTS = 32, 4   # DN_COLS, DN_PARTS in deltanet.cu
 _DELTANET_RPT = (8, 16, 32, 64)         # instantiated rows-per-thread; d_k <= 4 * RPT
 ATTENTION_THREADS, ATTENTION_SPAN, ATTENTION_MAX_D = 128, 256, 256   # attention.cu
 ELEMENTWISE_BLOCK, ELEMENTWISE_MAX_GRID = 256, 8192
+CONV_TOKENS = 16            # tokens per thread of causal_conv1d_silu_f32 (ops.cu CONV_TOKENS)
+_CUDA_R_16F, _CUDA_R_32F = 2, 0           # cudaDataType (library_types.h)
+_CUBLAS_GEMM_DEFAULT = -1                 # cublasGemmAlgo_t: cuBLAS picks
 
 
 # (rows per block R, column passes per iteration U) the bench may choose from; each is tested.
@@ -211,6 +221,7 @@ class CudaBackend:
         self._pdl = None
 
     supports_fused_step = True      # daemons/qwen35_gpu.py: the step as fused kernels
+    wide_batch_min = WIDE_MIN_T     # daemons/qwen35.py: from this many tokens a forward leaves the step
     supports_graphs = True          # ... captured as CUDA graphs
 
     def __repr__(self) -> str:
@@ -479,6 +490,38 @@ class CudaBackend:
             fg.op_mm("mm", [(weight, out, 0, weight.n_out)], act, t1 - t0, MODE_STORE, ws)()
         return y
 
+    def _wide_matmul(self, x, weight) -> Any:
+        """x[T, n_in] @ W.T for a tensor-core weight and many rows: slices of W dequantised to f16
+        (the weights the tensor-core kernel multiplies, each rounded to f16 once) times x rounded to
+        f16, by cuBLAS with f32 accumulation and output."""
+        from cupy_backends.cuda.libs import cublas
+        cp = self._cp
+        n_t, n_in = x.shape
+        ld = weight.n_sb * 256
+        x16 = cp.ascontiguousarray(x, dtype=cp.float16)
+        y = cp.empty((n_t, weight.n_out), dtype=cp.float32)
+        tiles = max(1, min(weight.n_tiles, WIDE_SCRATCH_BYTES // (32 * ld)))
+        need = 16 * tiles * ld
+        scratch = self._tc_scratch.get("wide")
+        if scratch is None or scratch.size < need:
+            self._tc_scratch["wide"] = None
+            scratch = self._tc_scratch["wide"] = cp.empty(need, dtype=cp.uint16)
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        for t0 in range(0, weight.n_tiles, tiles):
+            nt = min(tiles, weight.n_tiles - t0)
+            w16 = scratch[:16 * nt * ld].reshape(16 * nt, ld)
+            self.fused.units_to_f16(weight, w16, t0, nt)
+            rows = min(16 * nt, weight.n_out - 16 * t0)
+            # column-major view: y.T[rows, T] (ld n_out) = w16[rows, n_in] (ld ld) @ x16.T[n_in, T]
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n_t, n_in,
+                          one.ctypes.data, w16.data.ptr, _CUDA_R_16F, ld, x16.data.ptr, _CUDA_R_16F, n_in,
+                          zero.ctypes.data, y.data.ptr + 4 * 16 * t0, _CUDA_R_32F, weight.n_out,
+                          cublas.CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        return y
+
     def matmul(self, x: Any, weight: GpuWeight) -> Any:
         cp = self._cp
         x = self._f32(x)
@@ -488,7 +531,12 @@ class CudaBackend:
             if x2.ndim != 2 or x2.shape[1] != weight.n_in:
                 raise BackendError(f"matmul: x{list(x.shape)} does not match weight '{weight.name}' "
                                    f"({weight.n_out}, {weight.n_in})")
-            y = self._tc_matmul(x2, weight) if x2.shape[0] else cp.empty((0, weight.n_out), dtype=cp.float32)
+            if x2.shape[0] >= WIDE_MIN_T:
+                y = self._wide_matmul(x2, weight)
+            elif x2.shape[0]:
+                y = self._tc_matmul(x2, weight)
+            else:
+                y = cp.empty((0, weight.n_out), dtype=cp.float32)
             return y[0] if squeeze else y
         squeeze = x.ndim == 1
         if squeeze:
@@ -615,7 +663,8 @@ class CudaBackend:
         new_state = cp.empty((K - 1, C), dtype=cp.float32)
         if C:
             self._kernel("ops.cu", "causal_conv1d_silu_f32")(
-                ((C + 127) // 128,), (128,), (x, conv_state, weight, y, new_state, np.int32(n_t), np.int32(C), np.int32(K)))
+                ((C + 127) // 128, max(1, -(-n_t // CONV_TOKENS))), (128,),
+                (x, conv_state, weight, y, new_state, np.int32(n_t), np.int32(C), np.int32(K)))
         return y, new_state
 
     def deltanet_recurrent(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,

@@ -232,14 +232,20 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 // read (d_k x d_v per head), [2] the state written (0: none), [3] a copy of the state read (0: none).
 // T = *n_dev when n_dev is not null (commit: n_keep from the params block). out [T][nv*dv] may be
 // null (commit). Mapping as kernels/deltanet.cu: a block owns 32 value columns of one head, each
-// column split over 4 adjacent threads holding RPT rows in registers.
+// column split over 4 adjacent threads holding rows part, part + 4, ... in registers; the inputs
+// of GDN_CHUNK tokens are staged in shared memory at once (one round of loads per chunk, not per
+// token). The arithmetic of a token does not depend on T, so verify rows equal decode steps.
 #define GDN_COLS 32
 #define GDN_PARTS 4
+#define GDN_CHUNK 8
+#define GDN_MAX_DK (GDN_PARTS * 64)
 
 template <int RPT>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
                                                const int* __restrict__ n_dev, float* __restrict__ out,
                                                int nk, int nv, int dk, int dv, float scale) {
+    __shared__ float sq[GDN_CHUNK][GDN_MAX_DK], sk[GDN_CHUNK][GDN_MAX_DK];
+    __shared__ float sv[GDN_CHUNK][GDN_COLS], sdecay[GDN_CHUNK], sbeta[GDN_CHUNK];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
@@ -249,56 +255,74 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
     float* S_bak = tbl[4 * z + 3] ? (float*)tbl[4 * z + 3] + (size_t)h * dk * dv : nullptr;
     if (n_dev != nullptr) T = n_dev[0];
     const int C = 2 * nk * dk + nv * dv, R = C + 2 * nv;
-    const int col = blockIdx.x * GDN_COLS + (threadIdx.x / GDN_PARTS);
+    const int lcol = threadIdx.x / GDN_PARTS;
+    const int col = blockIdx.x * GDN_COLS + lcol;
     const int part = threadIdx.x % GDN_PARTS;
     const bool col_ok = col < dv;
-    const int i0 = part * RPT;
 
     float s[RPT];
 #pragma unroll
     for (int ii = 0; ii < RPT; ++ii) {                  // all loads first: a store in between could alias
-        const int i = i0 + ii;
+        const int i = part + GDN_PARTS * ii;
         s[ii] = (col_ok && i < dk) ? S_in[(size_t)i * dv + col] : 0.0f;
     }
     if (S_bak != nullptr && col_ok) {
 #pragma unroll
-        for (int ii = 0; ii < RPT; ++ii)
-            if (i0 + ii < dk) S_bak[(size_t)(i0 + ii) * dv + col] = s[ii];
+        for (int ii = 0; ii < RPT; ++ii) {
+            const int i = part + GDN_PARTS * ii;
+            if (i < dk) S_bak[(size_t)i * dv + col] = s[ii];
+        }
     }
-    for (int t = 0; t < T; ++t) {
-        const float* rt = rec + (size_t)t * R;
-        const float decay = expf(rt[C + h]);
-        const float bt = rt[C + nv + h];
-        const float* qt = rt + kh * dk;
-        const float* kt = rt + nk * dk + kh * dk;
-        float kr[RPT];
-        float kv = 0.0f;
-#pragma unroll
-        for (int ii = 0; ii < RPT; ++ii) {
-            const int i = i0 + ii;
-            kr[ii] = (i < dk) ? kt[i] : 0.0f;
-            s[ii] *= decay;
-            kv += s[ii] * kr[ii];
+    for (int c0 = 0; c0 < T; c0 += GDN_CHUNK) {
+        const int n = min(GDN_CHUNK, T - c0);
+        __syncthreads();                                // the previous chunk's reads are done
+        for (int e = threadIdx.x; e < n * dk; e += GDN_COLS * GDN_PARTS) {
+            const int tt = e / dk, i = e - tt * dk;
+            const float* rt = rec + (size_t)(c0 + tt) * R;
+            sq[tt][i] = rt[kh * dk + i];
+            sk[tt][i] = rt[nk * dk + kh * dk + i];
         }
-        kv += shfl_xor(kv, 1);
-        kv += shfl_xor(kv, 2);
-        const float vt = col_ok ? rt[2 * nk * dk + h * dv + col] : 0.0f;
-        const float delta = bt * (vt - kv);
-        float o = 0.0f;
-#pragma unroll
-        for (int ii = 0; ii < RPT; ++ii) {
-            const int i = i0 + ii;
-            s[ii] += kr[ii] * delta;
-            o += s[ii] * ((i < dk) ? qt[i] : 0.0f);
+        for (int e = threadIdx.x; e < n * GDN_COLS; e += GDN_COLS * GDN_PARTS) {
+            const int tt = e / GDN_COLS, lc = e - tt * GDN_COLS, cc = blockIdx.x * GDN_COLS + lc;
+            sv[tt][lc] = cc < dv ? rec[(size_t)(c0 + tt) * R + 2 * nk * dk + h * dv + cc] : 0.0f;
         }
-        o += shfl_xor(o, 1);
-        o += shfl_xor(o, 2);
-        if (out != nullptr && col_ok && part == 0) out[((size_t)t * nv + h) * dv + col] = o * scale;
+        if (threadIdx.x < n) {
+            const float* rt = rec + (size_t)(c0 + threadIdx.x) * R;
+            sdecay[threadIdx.x] = expf(rt[C + h]);
+            sbeta[threadIdx.x] = rt[C + nv + h];
+        }
+        __syncthreads();
+        for (int tt = 0; tt < n; ++tt) {
+            const int t = c0 + tt;
+            const float decay = sdecay[tt];
+            float kr[RPT];
+            float kv = 0.0f;
+#pragma unroll
+            for (int ii = 0; ii < RPT; ++ii) {
+                const int i = part + GDN_PARTS * ii;
+                kr[ii] = (i < dk) ? sk[tt][i] : 0.0f;
+                s[ii] *= decay;
+                kv += s[ii] * kr[ii];
+            }
+            kv += shfl_xor(kv, 1);
+            kv += shfl_xor(kv, 2);
+            const float delta = sbeta[tt] * (sv[tt][lcol] - kv);
+            float o = 0.0f;
+#pragma unroll
+            for (int ii = 0; ii < RPT; ++ii) {
+                const int i = part + GDN_PARTS * ii;
+                s[ii] += kr[ii] * delta;
+                o += s[ii] * ((i < dk) ? sq[tt][i] : 0.0f);
+            }
+            o += shfl_xor(o, 1);
+            o += shfl_xor(o, 2);
+            if (out != nullptr && col_ok && part == 0) out[((size_t)t * nv + h) * dv + col] = o * scale;
+        }
     }
     if (S_out != nullptr && col_ok) {
 #pragma unroll
         for (int ii = 0; ii < RPT; ++ii) {
-            const int i = i0 + ii;
+            const int i = part + GDN_PARTS * ii;
             if (i < dk) S_out[(size_t)i * dv + col] = s[ii];
         }
     }
@@ -307,11 +331,11 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
 #define GDN_ARGS const unsigned long long* __restrict__ tbl, int T, const int* __restrict__ n_dev, \
                  float* __restrict__ out, int nk, int nv, int dk, int dv, float scale
 #define GDN_CALL tbl, T, n_dev, out, nk, nv, dk, dv, scale
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r2(GDN_ARGS) { gdn_recur_impl<2>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r8(GDN_ARGS) { gdn_recur_impl<8>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r16(GDN_ARGS) { gdn_recur_impl<16>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r32(GDN_ARGS) { gdn_recur_impl<32>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS) gdn_recur_r64(GDN_ARGS) { gdn_recur_impl<64>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r2(GDN_ARGS) { gdn_recur_impl<2>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r8(GDN_ARGS) { gdn_recur_impl<8>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r16(GDN_ARGS) { gdn_recur_impl<16>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r32(GDN_ARGS) { gdn_recur_impl<32>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r64(GDN_ARGS) { gdn_recur_impl<64>(GDN_CALL); }
 
 // gdn_commit_conv: the conv state after n = params[1] tokens of a verified block is rows n..n+Kc-2
 // of the layer's verify record [Kc-1+T][C] (the state before the block, then the block's inputs).

@@ -228,6 +228,25 @@ class FusedGpu:
         return TcWeight(str(name), qtype, int(n_out), int(n_in), n_sb, n_tiles, n_out * row_bytes, out)
 
     # -- matmul ---------------------------------------------------------------------------------
+    def units_to_f16(self, w: TcWeight, out, tile0: int = 0, n_tiles: int | None = None) -> None:
+        """Rows 16 * tile0 .. 16 * (tile0 + n_tiles) of `w` dequantised into out, a C-contiguous
+        uint16 (f16 bits) array [16 * n_tiles, n_sb * 256] (mma_matmul.cu units_f16_*: the weights
+        the MMA path multiplies, each rounded to f16 once; rows past n_out and columns past n_in
+        are zero). The wide-batch product (kernels/cuda_backend.py) multiplies such a slice with
+        cuBLAS."""
+        n_tiles = w.n_tiles - tile0 if n_tiles is None else int(n_tiles)
+        if not (0 <= tile0 and 1 <= n_tiles and tile0 + n_tiles <= w.n_tiles):
+            raise ValueError(f"{w.name}: tiles {tile0}..{tile0 + n_tiles} outside 0..{w.n_tiles}")
+        ld = w.n_sb * 256
+        if (tuple(out.shape) != (16 * n_tiles, ld) or out.dtype != self.xp.uint16
+                or not out.flags.c_contiguous):
+            raise ValueError(f"{w.name}: out must be C-contiguous uint16 [{16 * n_tiles}, {ld}], got "
+                             f"{out.dtype}{list(out.shape)}")
+        n_units = n_tiles * w.n_sb
+        grid = (max(1, min(-(-n_units // 4), 16 * self.n_sm)),)
+        self._k("mma_matmul.cu", f"units_f16_{TC_TYPE_NAMES[w.qtype].lower()}")(
+            grid, (128,), (w.data, out, np.int32(w.n_sb), np.int32(tile0), np.int32(n_tiles), np.int32(ld)))
+
     def mm_grid(self, weights: Sequence[TcWeight], mode: int, per_sm: int = 4) -> tuple[int, int]:
         """(thread blocks, row blocks) of a launch over `weights` (per_sm: benchmarks' MM_GRID)."""
         if mode == MODE_SWIGLU:

@@ -1069,4 +1069,87 @@ extern "C" __global__ void repack_f16(const unsigned char* __restrict__ raw, u32
         out[wi] = v;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Units -> f16 rows, for the wide-batch product (prefill chunks of kernels/cuda_backend.py
+// WIDE_MIN_T tokens or more): a slice of a matrix's row tiles is dequantised here and multiplied by
+// cuBLAS, whose f16 GEMM is compute-bound at hundreds of rows where mm_tc re-reads the weights every
+// 32. Each element is the weight the MMA path multiplies: the A fragment of frag<S> times the row
+// scale d (minus dmin * m for Q4_K / Q5_K), rounded to f16 once; Q8_0 and F16 fragments are f16
+// already and are copied.
+// out[16 * t + r, col] for tile tile0 + t (t < n_tiles), r < 16, col < n_sb * 256; row stride ld
+// halves (a multiple of 8). One warp per unit: its fragments into a shared 16 x 256 tile, then 16
+// row stores of 512 contiguous bytes.
+#define UF_WARPS 4
+#define UF_LD 132                  // u32 per staged row (128 + 4: 16-byte aligned, rows on other banks)
+
+template <typename U>
+__device__ __forceinline__ u32 uf_value(const U& un, u32 a, int row8, int j) {
+    if (!U::SCALED) return a;
+    const float d = un.d[row8];
+    float lo = h2f((u16)(a & 0xffffu)) * d, hi = h2f((u16)(a >> 16)) * d;
+    if (U::HAS_MIN) {
+        const u32 mm = un.amin[row8];
+        const float m = un.dmin[row8] * h2f((u16)(j ? (mm >> 16) : (mm & 0xffffu)));
+        lo -= m;
+        hi -= m;
+    }
+    return (u32)f2h(lo) | ((u32)f2h(hi) << 16);
+}
+// k-step S: register r, halves hf = 0, 1 -> row g + 8 (r & 1), columns 64c + 8 (S >> 1) + 4 (S & 1)
+// + 2 (r >> 1) + hf (elem_of), i.e. one 32-bit word of the staged row.
+template <typename U, int S>
+__device__ __forceinline__ void uf_step(const U& un, u32* st, int lane) {
+    const int g = lane >> 2, c = lane & 3;
+    u32 a[4];
+    un.template frag<S>(a);
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+        st[(g + 8 * (r & 1)) * UF_LD + 32 * c + 4 * (S >> 1) + 2 * (S & 1) + (r >> 1)] = uf_value(un, a[r], r & 1, S >> 3);
+}
+template <typename U, int P>
+__device__ __forceinline__ void uf_pair(U& un, const unsigned char* u, u32* st, int lane) {
+    un.pair(u, lane, P);
+    uf_step<U, 2 * P>(un, st, lane);
+    uf_step<U, 2 * P + 1>(un, st, lane);
+}
+template <int QT>
+__device__ __forceinline__ void units_f16_impl(const unsigned char* __restrict__ units, u16* __restrict__ out, int n_sb,
+                                               int tile0, int n_tiles, int ld) {
+    typedef typename UnitOf<QT>::T U;
+    __shared__ __align__(16) u32 stage[UF_WARPS][16 * UF_LD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u32* st = stage[warp];
+    const long long n_units = (long long)n_tiles * n_sb;
+    for (long long i = (long long)blockIdx.x * UF_WARPS + warp; i < n_units; i += (long long)gridDim.x * UF_WARPS) {
+        const int t = (int)(i / n_sb), sb = (int)(i % n_sb);
+        const unsigned char* u = units + ((size_t)(tile0 + t) * n_sb + sb) * UnitBytes<QT>::v;
+        U un;
+        un.load(u, lane);
+        uf_pair<U, 0>(un, u, st, lane);
+        uf_pair<U, 1>(un, u, st, lane);
+        uf_pair<U, 2>(un, u, st, lane);
+        uf_pair<U, 3>(un, u, st, lane);
+        uf_pair<U, 4>(un, u, st, lane);
+        uf_pair<U, 5>(un, u, st, lane);
+        uf_pair<U, 6>(un, u, st, lane);
+        uf_pair<U, 7>(un, u, st, lane);
+        warp_sync();
+        u16* o = out + (size_t)t * 16 * ld + (size_t)sb * 256 + lane * 8;
+#pragma unroll 4
+        for (int r = 0; r < 16; ++r) *(uint4*)(o + (size_t)r * ld) = *(const uint4*)(st + r * UF_LD + lane * 4);
+        warp_sync();
+    }
+}
+#define UNITS_F16(NAME, QT)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(UF_WARPS * 32) NAME(                                              \
+        const unsigned char* __restrict__ units, u16* __restrict__ out, int n_sb, int tile0, int n_tiles, int ld) { \
+        units_f16_impl<QT>(units, out, n_sb, tile0, n_tiles, ld);                                                  \
+    }
+UNITS_F16(units_f16_q4_k, QT_Q4_K)
+UNITS_F16(units_f16_q5_k, QT_Q5_K)
+UNITS_F16(units_f16_q6_k, QT_Q6_K)
+UNITS_F16(units_f16_iq4_xs, QT_IQ4_XS)
+UNITS_F16(units_f16_q8_0, QT_Q8_0)
+UNITS_F16(units_f16_f16, QT_F16)
 #endif

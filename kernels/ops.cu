@@ -130,14 +130,18 @@ extern "C" __global__ void rope_neox_f32(const float* __restrict__ x, float* __r
 // Depthwise causal conv over time, then silu. x[T, C] (contiguous), state[K-1, C] (row 0 oldest),
 // w[C, K] (tap K-1 on the newest input). X = [state; x]: y[t, c] = silu(sum_j X[t + j, c] w[c, j]),
 // summed j = 0..K-1 with each product rounded (the CPU's order); new_state = X[T .. T+K-2].
-// One thread per channel.
+// One thread per (channel, span of CONV_TOKENS tokens): the outputs are independent, so a long
+// prompt spreads over T / CONV_TOKENS times more blocks (one block row per span; the spans of
+// blockIdx.y 0 also write new_state). Each output is summed in the same order whatever the split.
+#define CONV_TOKENS 16
 extern "C" __global__ void causal_conv1d_silu_f32(const float* __restrict__ x, const float* __restrict__ state,
                                                   const float* __restrict__ w, float* __restrict__ y,
                                                   float* __restrict__ new_state, int T, int C, int K) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int K1 = K - 1;
-    for (int t = 0; t < T; ++t) {
+    const int t0 = blockIdx.y * CONV_TOKENS, t1 = min(T, t0 + CONV_TOKENS);
+    for (int t = t0; t < t1; ++t) {
         float acc = 0.0f;
         for (int j = 0; j < K; ++j) {
             const int i = t + j;
@@ -147,6 +151,7 @@ extern "C" __global__ void causal_conv1d_silu_f32(const float* __restrict__ x, c
         }
         y[(size_t)t * C + c] = acc / (1.0f + expf(-acc));
     }
+    if (blockIdx.y != 0) return;
     for (int r = 0; r < K1; ++r) {
         const int i = T + r;
         new_state[(size_t)r * C + c] = i < K1 ? state[(size_t)i * C + c] : x[(size_t)(i - K1) * C + c];

@@ -106,6 +106,39 @@ def test_mm_every_type_and_width(dev, qtype):
             assert np.array_equal(_h(xp, y), got), f"{name}: a second launch differs"
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_units_to_f16_are_the_dequantised_weights(dev, qtype):
+    """units_f16_* (the wide-batch product's weights for cuBLAS): every element is the CPU
+    dequantiser's weight rounded to f16 (Q6_K / IQ4_XS: their A operand is rounded to f16 first, as
+    the MMA path does, so within 2^-10); rows past n_out and columns past n_in are zero, and a slice
+    of tiles is the same rows of the whole."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(40 + qtype)
+    n_out, n_in = (40, 96) if qtype == QT_Q8_0 else (40, 512)
+    raw = _scaled_raw(qtype, n_out, n_in, rng)
+    w = fg.repack("w", qtype, n_out, n_in, raw)
+    ld = w.n_sb * 256
+    out = xp.full((16 * w.n_tiles, ld), 0xFFFF, dtype=xp.uint16)        # NaN bits: unwritten shows
+    fg.units_to_f16(w, out)
+    got = _h(xp, out).view(np.float16).astype(np.float64)
+    ref = ggml_quants.dequantize(raw, qtype, n_in).astype(np.float64)
+    assert (got[n_out:] == 0).all() and (got[:, n_in:] == 0).all()
+    g = got[:n_out, :n_in]
+    ref16 = ref.astype(np.float16).astype(np.float64)
+    if qtype in (QT_Q6_K, QT_IQ4_XS):
+        assert (np.abs(g - ref) <= 2.0 ** -10 * np.abs(ref) + 1e-12).all()
+    else:
+        ulp = np.spacing(np.abs(ref16).astype(np.float16)).astype(np.float64)
+        assert (np.abs(g - ref16) <= ulp).all()
+        assert (g == ref16).mean() >= 0.99
+    part = xp.zeros((16, ld), dtype=xp.uint16)
+    fg.units_to_f16(w, part, tile0=1, n_tiles=1)
+    assert np.array_equal(_h(xp, part), _h(xp, out)[16:32])
+    with pytest.raises(ValueError):
+        fg.units_to_f16(w, part, tile0=w.n_tiles - 1, n_tiles=2)
+
+
 @pytest.mark.parametrize("qtype", (QT_Q4_K, QT_Q6_K, QT_IQ4_XS))
 def test_mm_rows_are_batch_invariant(dev, qtype):
     name, d, fg = dev

@@ -147,6 +147,32 @@ def test_matmul_matches_cpu(gpu, case, n_t):
         assert np.array_equal(gpu.to_host(y), got)
 
 
+TC_CASES = [(QT.Q4_K, 70, 512), (QT.Q5_K, 33, 768), (QT.Q6_K, 48, 256), (QT.IQ4_XS, 17, 512), (QT.Q8_0, 40, 160),
+            (QT.F16, 24, 264)]
+
+
+@apply_marks
+@pytest.mark.parametrize("n_t", [9, 63, 64, 200])
+@pytest.mark.parametrize("case", TC_CASES, ids=_case_id)
+def test_tensor_core_weight_matmul_matches_cpu(gpu, case, n_t, monkeypatch):
+    """Tensor-core weights (load_matmul_weight): below WIDE_MIN_T rows the step's kernel, from it
+    on f16-dequantised slices times cuBLAS (here two tiles per slice, so the slices' offsets into
+    y are exercised). Both round x and the weights to f16 once: within 2e-3 of float64."""
+    from kernels import cuda_backend
+    from kernels.fused_gpu import TcWeight
+    qtype, n_out, n_in = case
+    monkeypatch.setattr(cuda_backend, "WIDE_SCRATCH_BYTES", 2 * 16 * 2 * 256 * -(-n_in // 256))
+    rng = np.random.default_rng(7 * n_t + n_out)
+    t = make_tensor(qtype, n_out, n_in, rng)
+    w = gpu.load_matmul_weight(t)
+    assert isinstance(w, TcWeight)
+    x = rng.standard_normal((n_t, n_in)).astype(np.float32)
+    got = gpu.to_host(gpu.matmul(gpu.asarray(x), w))
+    ref64 = x.astype(np.float64) @ ggml_quants.dequantize(t.raw, qtype, n_in).astype(np.float64).T
+    assert got.shape == (n_t, n_out) and np.isfinite(got).all()
+    assert rel_err(got, ref64) <= 2e-3, f"{qtype.name} T={n_t}: {rel_err(got, ref64):.3g}"
+
+
 @apply_marks
 @pytest.mark.parametrize("case", MATMUL_CASES, ids=_case_id)
 def test_matvec_is_batch_invariant(gpu, case):
@@ -424,9 +450,10 @@ def test_rope_matches_cpu(gpu, n_rot, D, theta):
 
 
 @apply_marks
-@pytest.mark.parametrize("T", [1, 2, 3, 9])
+@pytest.mark.parametrize("T", [1, 2, 3, 9, 40])
 def test_causal_conv_matches_cpu(gpu, T):
-    # T < K-1 keeps part of the old state in the new one; T >= K-1 replaces it with inputs.
+    # T < K-1 keeps part of the old state in the new one; T >= K-1 replaces it with inputs; 40
+    # tokens span three blocks of the kernel's token split.
     rng = np.random.default_rng(T)
     C, K = 130, 4
     x = rng.standard_normal((T, C)).astype(np.float32)

@@ -9,6 +9,8 @@ What the tests guard:
   costs the CPU model), and the same greedy tokens;
 - batch invariance end to end: a verify block, and a prefill in chunks of 32, give bit-identical
   logits and states to one-token steps;
+- wide forwards (prefill chunks past the step's width, on cuBLAS): close to the CPU, the state they
+  leave written in place and decoding on from it;
 - rollback by replay: committing any prefix of a verified block (also twice, shorter second) leaves
   exactly the state the one-token steps reach; a stale record is refused;
 - two states used alternately (the state table rebinds), and captured layers.
@@ -182,11 +184,52 @@ def test_greedy_tokens_match_cpu(models):
     assert got == ref
 
 
+def test_wide_forward_close_to_cpu_and_decoding_goes_on(models):
+    """A forward of `wide_batch_min` tokens or more (prefill chunks) leaves the step for the backend
+    operations, whose products are cuBLAS GEMMs on f16-dequantised weights: its logits stay as
+    close to the CPU's as the step's own (f16 inputs), every logits mode answers as on the step, and
+    the state it leaves behind (KV rows, conv and delta-rule state, written into the arrays the
+    step's state table already points at) carries greedy decoding on the step to the CPU's tokens."""
+    from daemons.qwen35 import Qwen35Model
+    name, kind, cpu, dev = models
+    wide = getattr(dev.backend, "wide_batch_min", None)
+    if wide is None:
+        pytest.skip("the emulator has no backend-operation path")
+    head, body = _prompt(cpu.n_vocab, 3, seed=11), _prompt(cpu.n_vocab, wide + 13, seed=12)
+    sc, sd = cpu.new_state(160), dev.new_state(160)
+    cpu.forward(head, sc)
+    dev.forward(head, sd)                                  # binds sd to the step first
+    before = {il: a for il, a in sd.conv.items()}
+    ref = cpu.forward(body, sc, logits="all")
+    s_copy = sd.copy()
+    got = dev.forward(body, sd, logits="all")
+    assert all(sd.conv[il] is a for il, a in before.items()), "state arrays must be written in place"
+    r16 = Qwen35Model.load(cpu.path, _Round16())
+    sr = r16.new_state(160)
+    r16.forward(head, sr)
+    inherent = _rel(r16.forward(body, sr, logits="all"), ref)
+    err = _rel(got, ref)
+    assert np.isfinite(got).all() and err <= max(2.0 * inherent, 1e-4), f"{name} {kind}: {err:.3g} vs {inherent:.3g}"
+    assert int(dev.forward(body, s_copy.copy(), logits="argmax_last")[0]) == int(np.argmax(got[-1]))
+    ids, vals = dev.forward(body, s_copy.copy(), logits="topk_last", top_k=5)
+    assert sorted(ids.tolist()) == sorted(np.argsort(got[-1])[-5:].tolist())
+    tok_c = tok_d = int(np.argmax(ref[-1]))
+    for i in range(16):
+        row_c = cpu.forward([tok_c], sc)[-1]
+        row_d = dev.forward([tok_d], sd, logits="last")[-1]
+        tok_c, tok_d = int(np.argmax(row_c)), int(np.argmax(row_d))
+        if tok_c != tok_d:
+            top2 = np.sort(row_c)[-2:]
+            gap, diff = float(top2[1] - top2[0]), float(np.abs(row_d - row_c).max())
+            assert gap <= 2.0 * diff, f"{name} {kind}: step {i}: {tok_d} vs CPU {tok_c}, top-2 gap {gap:.3g}"
+            return
+
+
 def test_verify_and_chunked_prefill_equal_single_steps(models):
     name, kind, cpu, dev = models
     prompt = _prompt(dev.n_vocab, 70, seed=2)
     s_chunk = dev.new_state(128)
-    lg_chunk = dev.prefill(prompt, s_chunk, logits="all")          # chunks of 32 on the step
+    lg_chunk = dev.prefill(prompt, s_chunk, chunk=32, logits="all")     # chunks of 32 on the step
     s_one = dev.new_state(128)
     lg_one = np.concatenate([dev.forward([t], s_one, logits="all") for t in prompt], axis=0)
     assert np.array_equal(lg_chunk, lg_one)
