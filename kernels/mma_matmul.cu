@@ -640,36 +640,65 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         __threadfence();
         int sgx, lrx;
         rb_locate<MODE>(s_segs, n_segs, rbx, sgx, lrx);
-        // The partials' loads are issued four at a time (they are independent), then added in order.
-        auto sum_parts = [&](int i) {
-            float v = 0.0f;
-            const float* base = ws + (size_t)i;
+        // Each computing thread sums elements tid + MM_THREADS * e of all partials, walking the
+        // partials in stripe order two at a time: every round has 2 * EPT independent loads in
+        // flight (element by element, a 23-row launch waited on ~24 rounds of L2 latency here).
+        // Every element is still 0 + p_first + p_first+1 + ... in that order, whatever T.
+        constexpr int EPT = NT * 8 * ROWS / MM_THREADS;
+        float v[EPT];
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) v[e] = 0.0f;
+        if (tid < MM_THREADS) {
+            const int end = first + n_part;
             int p = first;
-            for (; p + 4 <= first + n_part; p += 4) {
-                float l[4];
+            for (; p + 2 <= end; p += 2) {
+                const float* b0 = ws + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el;
+                const float* b1 = ws + (size_t)(p + 1) * 2 * (size_t)n_el;     // never the first part
+                float l0[EPT], l1[EPT];
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    l[j] = ldcg_f32(base + ((size_t)(p + j) * 2 + (p + j == first ? 1 : 0)) * (size_t)n_el);
+                for (int e = 0; e < EPT; ++e) {
+                    const int i = tid + MM_THREADS * e;
+                    l0[e] = i < n_el ? ldcg_f32(b0 + i) : 0.0f;
+                    l1[e] = i < n_el ? ldcg_f32(b1 + i) : 0.0f;
+                }
 #pragma unroll
-                for (int j = 0; j < 4; ++j) v += l[j];
+                for (int e = 0; e < EPT; ++e) {
+                    v[e] += l0[e];
+                    v[e] += l1[e];
+                }
             }
-            for (; p < first + n_part; ++p) v += ldcg_f32(base + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el);
-            return v;
-        };
+            if (p < end) {
+                const float* b0 = ws + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el;
+#pragma unroll
+                for (int e = 0; e < EPT; ++e) {
+                    const int i = tid + MM_THREADS * e;
+                    v[e] += i < n_el ? ldcg_f32(b0 + i) : 0.0f;
+                }
+            }
+        }
         if (MODE == MODE_SWIGLU) {
-            for (int i = tid; i < n_el && tid < MM_THREADS; i += MM_THREADS) sres[(i / ROWS) * SROW + (i % ROWS)] = sum_parts(i);
+            if (tid < MM_THREADS) {
+#pragma unroll
+                for (int e = 0; e < EPT; ++e) {
+                    const int i = tid + MM_THREADS * e;
+                    if (i < n_el) sres[(i / ROWS) * SROW + (i % ROWS)] = v[e];
+                }
+            }
             __syncthreads();
             mm_swiglu_epilogue(sres, lrx, T, s_segs[0].n_rows, tid, out16, outxs, ld_out16);
-        } else {
+        } else if (tid < MM_THREADS) {
             const MmSeg& sg = s_segs[sgx];
             float* y = (float*)sg.y;
-            for (int i = tid; i < n_el && tid < MM_THREADS; i += MM_THREADS) {
-                const int tok = i / ROWS, row = lrx * ROWS + i % ROWS;
-                if (row < sg.n_rows) {
-                    const float v = sum_parts(i);
-                    if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += v;
-                    else y[(size_t)tok * sg.ldy + row] = v;
-                }
+            float old[EPT];
+#pragma unroll
+            for (int e = 0; e < EPT; ++e) {      // the residual's loads all in flight too
+                const int i = tid + MM_THREADS * e, row = lrx * ROWS + i % ROWS;
+                old[e] = (MODE == MODE_ADD && i < n_el && row < sg.n_rows) ? y[(size_t)(i / ROWS) * sg.ldy + row] : 0.0f;
+            }
+#pragma unroll
+            for (int e = 0; e < EPT; ++e) {
+                const int i = tid + MM_THREADS * e, row = lrx * ROWS + i % ROWS;
+                if (i < n_el && row < sg.n_rows) y[(size_t)(i / ROWS) * sg.ldy + row] = MODE == MODE_ADD ? old[e] + v[e] : v[e];
             }
         }
         if (tid == 0) counters[rbx] = 0;
