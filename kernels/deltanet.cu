@@ -10,23 +10,21 @@
 // state [H_v, d_k, d_v]; optional checkpoints [T, H_v, d_k, d_v] (the state after each token).
 //
 // Mapping: a block owns DN_COLS value columns of one head; each column is split over DN_PARTS
-// adjacent threads, thread `part` holding rows part, part + DN_PARTS, ... of that column in
-// registers for the whole call (interleaved, so the DN_PARTS threads of a column read adjacent
-// shared-memory words), so the state is read and written once per call (plus checkpoints). The
-// two dot products per token are finished with xor-shuffles inside groups of DN_PARTS adjacent
-// lanes, which lie in one warp for any warp size >= 4 (CUDA 32, HIP 64). The inputs of
-// DN_CHUNK tokens (q and k rows of the k-head, the block's v columns, the gates) are staged in
-// shared memory together, so the token loop waits on one round of loads per chunk instead of one
-// per token (a 512-token prefill of the 27B shape, 48 heads of 128 x 128: 0.68 -> 0.43 ms a layer).
+// adjacent threads holding its state rows in registers for the whole call (kernels/
+// deltanet_step.cuh: the row map and the token step), so the state is read and written once per
+// call (plus checkpoints). The inputs of DN_CHUNK tokens (q and k rows of the k-head, the block's
+// v columns, the gates) are staged in shared memory together, so the token loop waits on one
+// round of loads per chunk instead of one per token.
 
 #ifdef __HIP_PLATFORM_AMD__
 #define SHFL_XOR(v, m) __shfl_xor((v), (m))
 #else
 #define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 #endif
+#define DN_SHFL_XOR(v, m) SHFL_XOR(v, m)
+#include "deltanet_step.cuh"
 
 #define DN_COLS 32
-#define DN_PARTS 4
 #define DN_BLOCK (DN_COLS * DN_PARTS)
 #define DN_CHUNK 8
 #define DN_MAX_DK (DN_PARTS * 64)
@@ -37,8 +35,10 @@ __device__ __forceinline__ void deltanet_recurrent_impl(
     const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
     float* __restrict__ checkpoints, float* __restrict__ out,
     int T, int H_k, int H_v, int d_k, int d_v, float scale) {
-    __shared__ float sq[DN_CHUNK][DN_MAX_DK], sk[DN_CHUNK][DN_MAX_DK];
+    __shared__ __align__(16) float sq[DN_CHUNK][DN_MAX_DK];
+    __shared__ __align__(16) float sk[DN_CHUNK][DN_MAX_DK];
     __shared__ float sv[DN_CHUNK][DN_COLS], sdecay[DN_CHUNK], sbeta[DN_CHUNK];
+    constexpr int DKP = DN_PARTS * RPT;          // staged row length (zero past d_k)
     const int h = blockIdx.y;
     const int kh = h % H_k;
     const int lcol = threadIdx.x / DN_PARTS;
@@ -50,18 +50,18 @@ __device__ __forceinline__ void deltanet_recurrent_impl(
     float s[RPT];
 #pragma unroll
     for (int ii = 0; ii < RPT; ++ii) {
-        const int i = part + DN_PARTS * ii;
+        const int i = dn_row<RPT>(part, ii);
         s[ii] = (col_ok && i < d_k) ? S[(size_t)i * d_v + col] : 0.0f;
     }
 
     for (int c0 = 0; c0 < T; c0 += DN_CHUNK) {
         const int n = min(DN_CHUNK, T - c0);
         __syncthreads();                 // the previous chunk's reads are done
-        for (int e = threadIdx.x; e < n * d_k; e += DN_BLOCK) {
-            const int tt = e / d_k, i = e - tt * d_k;
+        for (int e = threadIdx.x; e < n * DKP; e += DN_BLOCK) {
+            const int tt = e / DKP, i = e - tt * DKP;
             const size_t off = ((size_t)(c0 + tt) * H_k + kh) * d_k + i;
-            sq[tt][i] = q[off];
-            sk[tt][i] = k[off];
+            sq[tt][i] = i < d_k ? q[off] : 0.0f;
+            sk[tt][i] = i < d_k ? k[off] : 0.0f;
         }
         for (int e = threadIdx.x; e < n * DN_COLS; e += DN_BLOCK) {
             const int tt = e / DN_COLS, lc = e - tt * DN_COLS, cc = blockIdx.x * DN_COLS + lc;
@@ -74,36 +74,13 @@ __device__ __forceinline__ void deltanet_recurrent_impl(
         __syncthreads();
         for (int tt = 0; tt < n; ++tt) {
             const int t = c0 + tt;
-            const float decay = sdecay[tt];
-            float kr[RPT];
-            float kv = 0.0f;
-#pragma unroll
-            for (int ii = 0; ii < RPT; ++ii) {
-                const int i = part + DN_PARTS * ii;
-                kr[ii] = (i < d_k) ? sk[tt][i] : 0.0f;
-                s[ii] *= decay;
-                kv += s[ii] * kr[ii];
-            }
-            kv += SHFL_XOR(kv, 1);
-            kv += SHFL_XOR(kv, 2);
-            const float delta = sbeta[tt] * (sv[tt][lcol] - kv);
-
-            float o = 0.0f;
-#pragma unroll
-            for (int ii = 0; ii < RPT; ++ii) {
-                const int i = part + DN_PARTS * ii;
-                s[ii] += kr[ii] * delta;
-                o += s[ii] * ((i < d_k) ? sq[tt][i] : 0.0f);
-            }
-            o += SHFL_XOR(o, 1);
-            o += SHFL_XOR(o, 2);
+            const float o = dn_token<RPT>(s, sk[tt], sq[tt], sv[tt][lcol], sdecay[tt], sbeta[tt], part);
             if (col_ok && part == 0) out[((size_t)t * H_v + h) * d_v + col] = o * scale;
-
             if (checkpoints != nullptr && col_ok) {
                 float* C = checkpoints + ((size_t)t * H_v + h) * d_k * d_v;
 #pragma unroll
                 for (int ii = 0; ii < RPT; ++ii) {
-                    const int i = part + DN_PARTS * ii;
+                    const int i = dn_row<RPT>(part, ii);
                     if (i < d_k) C[(size_t)i * d_v + col] = s[ii];
                 }
             }
@@ -113,7 +90,7 @@ __device__ __forceinline__ void deltanet_recurrent_impl(
     if (col_ok) {
 #pragma unroll
         for (int ii = 0; ii < RPT; ++ii) {
-            const int i = part + DN_PARTS * ii;
+            const int i = dn_row<RPT>(part, ii);
             if (i < d_k) S[(size_t)i * d_v + col] = s[ii];
         }
     }

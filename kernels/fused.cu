@@ -156,7 +156,6 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     const float* __restrict__ ssm_a, float* __restrict__ rec, int T, int nk, int nv, int dk, int dv, int Kc,
     float eps, int write_state, float* __restrict__ state_save) {
     DYN_SMEM(float, sm);
-    __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int b = blockIdx.x;
@@ -179,50 +178,64 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     else if (b < 2 * nk) { ch0 = nk * dk + (b - nk) * dk; width = dk; normed = true; }
     else { ch0 = 2 * nk * dk + (b - 2 * nk) * dv; width = dv; normed = false; }
     float* state = (float*)tbl[slot];
+    const int K1 = Kc - 1;
+    // One (token, channel) output per item, summed over its Kc inputs X[t .. t + Kc-1] of
+    // X = [state; qkv] in tap order: the items are independent, so all their loads are in flight
+    // at once (a token loop per channel waited on one load per token), and each is computed the
+    // same way whatever T.
+    for (int it = threadIdx.x; it < T * width; it += blockDim.x) {
+        const int t = it / width, i = it - t * width, ch = ch0 + i;
+        float y = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j < Kc) {
+                const int r = t + j;
+                const float xv = r < K1 ? state[(size_t)r * C + ch] : qkv[(size_t)(r - K1) * ldq + ch];
+                const float wv = conv_w[(size_t)ch * Kc + j];
+                y = j == 0 ? xv * wv : fmaf(xv, wv, y);
+            }
+        }
+        sm[t * width + i] = y / (1.0f + expf(-y));
+    }
+    __syncthreads();                     // every read of the old state is done
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         const int ch = ch0 + i;
-        float win[7], wr[8];             // the last Kc-1 inputs, oldest first; the taps (Kc <= 8)
+        float old[7];
 #pragma unroll
-        for (int j = 0; j < 7; ++j) win[j] = j < Kc - 1 ? state[(size_t)j * C + ch] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) wr[j] = j < Kc ? conv_w[(size_t)ch * Kc + j] : 0.0f;
+        for (int j = 0; j < 7; ++j) old[j] = j < K1 ? state[(size_t)j * C + ch] : 0.0f;
         if (state_save != nullptr)
 #pragma unroll
             for (int j = 0; j < 7; ++j)
-                if (j < Kc - 1) state_save[(size_t)j * C + ch] = win[j];
-        for (int t = 0; t < T; ++t) {
-            const float xt = qkv[(size_t)t * ldq + ch];
-            float y = win[0] * wr[0];
+                if (j < K1) state_save[(size_t)j * C + ch] = old[j];
+        if (write_state) {
+            float nw[7];                 // X[T .. T + Kc-2]: the last Kc-1 inputs
 #pragma unroll
-            for (int j = 1; j < 7; ++j)
-                if (j < Kc - 1) y += win[j] * wr[j];
+            for (int j = 0; j < 7; ++j) {
+                const int r = T + j;
+                float v = 0.0f;
+                if (j < K1 && r >= K1) v = qkv[(size_t)(r - K1) * ldq + ch];
 #pragma unroll
-            for (int j = 1; j < 8; ++j)
-                if (j == Kc - 1) y += xt * wr[j];
-            if (Kc == 1) y = xt * wr[0];
-#pragma unroll
-            for (int j = 0; j < 6; ++j)
-                if (j + 1 < Kc - 1) win[j] = win[j + 1];
+                for (int m = 0; m < 7; ++m)
+                    if (j < K1 && r < K1 && m == r) v = old[m];   // T < Kc-1: part of the old state stays
+                nw[j] = v;
+            }
 #pragma unroll
             for (int j = 0; j < 7; ++j)
-                if (j == Kc - 2) win[j] = xt;
-            sm[t * width + i] = y / (1.0f + expf(-y));
+                if (j < K1) state[(size_t)j * C + ch] = nw[j];
         }
-        if (write_state)
-#pragma unroll
-            for (int j = 0; j < 7; ++j)
-                if (j < Kc - 1) state[(size_t)j * C + ch] = win[j];
     }
-    __syncthreads();
-    for (int t = 0; t < T; ++t) {
+    // q / k heads: L2 norm per token, one warp per token (no block barrier per token).
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+    for (int t = warp; t < T; t += n_warps) {
         float inv = 1.0f;
         if (normed) {
             float ss = 0.0f;
-            for (int i = threadIdx.x; i < width; i += blockDim.x) ss += sm[t * width + i] * sm[t * width + i];
-            ss = block_sum(ss, red);
+            for (int i = lane; i < width; i += 32) ss += sm[t * width + i] * sm[t * width + i];
+#pragma unroll
+            for (int m = 16; m > 0; m >>= 1) ss += shfl_xor(ss, m);
             inv = (float)(1.0 / sqrt((double)ss + (double)eps));
         }
-        for (int i = threadIdx.x; i < width; i += blockDim.x)
+        for (int i = lane; i < width; i += 32)
             rec[(size_t)t * R + ch0 + i] = normed ? sm[t * width + i] * inv : sm[t * width + i];
     }
 }
@@ -231,12 +244,14 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 // gdn_recur. Per layer slot z (grid.z): tbl[4z + 0] rec[T][R] (gdn_conv's output), [1] the state
 // read (d_k x d_v per head), [2] the state written (0: none), [3] a copy of the state read (0: none).
 // T = *n_dev when n_dev is not null (commit: n_keep from the params block). out [T][nv*dv] may be
-// null (commit). Mapping as kernels/deltanet.cu: a block owns 32 value columns of one head, each
-// column split over 4 adjacent threads holding rows part, part + 4, ... in registers; the inputs
+// null (commit). Mapping and token step as kernels/deltanet.cu (kernels/deltanet_step.cuh): a block
+// owns 32 value columns of one head, each column's rows split over 4 adjacent threads; the inputs
 // of GDN_CHUNK tokens are staged in shared memory at once (one round of loads per chunk, not per
 // token). The arithmetic of a token does not depend on T, so verify rows equal decode steps.
+#define DN_SHFL_XOR(v, m) shfl_xor(v, m)
+#include "deltanet_step.cuh"
 #define GDN_COLS 32
-#define GDN_PARTS 4
+#define GDN_PARTS DN_PARTS
 #define GDN_CHUNK 8
 #define GDN_MAX_DK (GDN_PARTS * 64)
 
@@ -244,8 +259,10 @@ template <int RPT>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
                                                const int* __restrict__ n_dev, float* __restrict__ out,
                                                int nk, int nv, int dk, int dv, float scale) {
-    __shared__ float sq[GDN_CHUNK][GDN_MAX_DK], sk[GDN_CHUNK][GDN_MAX_DK];
+    __shared__ __align__(16) float sq[GDN_CHUNK][GDN_MAX_DK];
+    __shared__ __align__(16) float sk[GDN_CHUNK][GDN_MAX_DK];
     __shared__ float sv[GDN_CHUNK][GDN_COLS], sdecay[GDN_CHUNK], sbeta[GDN_CHUNK];
+    constexpr int DKP = GDN_PARTS * RPT;         // staged row length (zero past dk)
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
@@ -263,24 +280,24 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
     float s[RPT];
 #pragma unroll
     for (int ii = 0; ii < RPT; ++ii) {                  // all loads first: a store in between could alias
-        const int i = part + GDN_PARTS * ii;
+        const int i = dn_row<RPT>(part, ii);
         s[ii] = (col_ok && i < dk) ? S_in[(size_t)i * dv + col] : 0.0f;
     }
     if (S_bak != nullptr && col_ok) {
 #pragma unroll
         for (int ii = 0; ii < RPT; ++ii) {
-            const int i = part + GDN_PARTS * ii;
+            const int i = dn_row<RPT>(part, ii);
             if (i < dk) S_bak[(size_t)i * dv + col] = s[ii];
         }
     }
     for (int c0 = 0; c0 < T; c0 += GDN_CHUNK) {
         const int n = min(GDN_CHUNK, T - c0);
         __syncthreads();                                // the previous chunk's reads are done
-        for (int e = threadIdx.x; e < n * dk; e += GDN_COLS * GDN_PARTS) {
-            const int tt = e / dk, i = e - tt * dk;
+        for (int e = threadIdx.x; e < n * DKP; e += GDN_COLS * GDN_PARTS) {
+            const int tt = e / DKP, i = e - tt * DKP;
             const float* rt = rec + (size_t)(c0 + tt) * R;
-            sq[tt][i] = rt[kh * dk + i];
-            sk[tt][i] = rt[nk * dk + kh * dk + i];
+            sq[tt][i] = i < dk ? rt[kh * dk + i] : 0.0f;
+            sk[tt][i] = i < dk ? rt[nk * dk + kh * dk + i] : 0.0f;
         }
         for (int e = threadIdx.x; e < n * GDN_COLS; e += GDN_COLS * GDN_PARTS) {
             const int tt = e / GDN_COLS, lc = e - tt * GDN_COLS, cc = blockIdx.x * GDN_COLS + lc;
@@ -293,36 +310,14 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
         }
         __syncthreads();
         for (int tt = 0; tt < n; ++tt) {
-            const int t = c0 + tt;
-            const float decay = sdecay[tt];
-            float kr[RPT];
-            float kv = 0.0f;
-#pragma unroll
-            for (int ii = 0; ii < RPT; ++ii) {
-                const int i = part + GDN_PARTS * ii;
-                kr[ii] = (i < dk) ? sk[tt][i] : 0.0f;
-                s[ii] *= decay;
-                kv += s[ii] * kr[ii];
-            }
-            kv += shfl_xor(kv, 1);
-            kv += shfl_xor(kv, 2);
-            const float delta = sbeta[tt] * (sv[tt][lcol] - kv);
-            float o = 0.0f;
-#pragma unroll
-            for (int ii = 0; ii < RPT; ++ii) {
-                const int i = part + GDN_PARTS * ii;
-                s[ii] += kr[ii] * delta;
-                o += s[ii] * ((i < dk) ? sq[tt][i] : 0.0f);
-            }
-            o += shfl_xor(o, 1);
-            o += shfl_xor(o, 2);
-            if (out != nullptr && col_ok && part == 0) out[((size_t)t * nv + h) * dv + col] = o * scale;
+            const float o = dn_token<RPT>(s, sk[tt], sq[tt], sv[tt][lcol], sdecay[tt], sbeta[tt], part);
+            if (out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
         }
     }
     if (S_out != nullptr && col_ok) {
 #pragma unroll
         for (int ii = 0; ii < RPT; ++ii) {
-            const int i = part + GDN_PARTS * ii;
+            const int i = dn_row<RPT>(part, ii);
             if (i < dk) S_out[(size_t)i * dv + col] = s[ii];
         }
     }

@@ -245,8 +245,8 @@ def test_deltanet_conv_recurrence_and_commit(dev):
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(2)
-    for dk in (32, 128) if name == "cuda" else (32,):
-        c = _dn_case(rng, 6, dk=dk, dv=dk)
+    for dk, T in ((32, 6), (32, 2), (128, 6)) if name == "cuda" else ((32, 6), (32, 2)):
+        c = _dn_case(rng, T, dk=dk, dv=dk)       # T = 2 < kc - 1: part of the old conv state stays
         T, C, nk, nv, dv, kc = c["T"], c["C"], c["nk"], c["nv"], c["dv"], c["kc"]
         R = C + 2 * nv
         rec_ref, state_ref = fused_ref.gdn_conv_ref(c["qkv"], c["state"], c["conv_w"], c["ab"], c["dt_bias"],
@@ -259,6 +259,12 @@ def test_deltanet_conv_recurrence_and_commit(dev):
         fg.op_gdn_conv("c", *args, write_state=True)()
         assert _rel(_h(xp, rec), rec_ref) <= 1e-5
         assert np.array_equal(_h(xp, conv_state), state_ref)
+        # a row does not depend on how many rows the launch has (verify rows = decode steps)
+        rec1 = xp.zeros((1, R), dtype=xp.float32)
+        cs1 = xp.array(c["state"])
+        tbl1 = xp.array(np.array([fg.ptr(cs1)], dtype=np.uint64))
+        fg.op_gdn_conv("c1", xp.array(c["qkv"][:1]), C, tbl1, 0, *args[4:8], rec1, 1, *args[10:], write_state=True)()
+        assert np.array_equal(_h(xp, rec1)[0], _h(xp, rec)[0])
 
         # recurrence: advance (in place) against the CPU recurrence
         S_ref = c["S"].copy()
@@ -300,7 +306,7 @@ def test_deltanet_conv_recurrence_and_commit(dev):
         fg.op_gdn_conv("c", record[kc - 1:], C, tbl2, 0, *args[4:], write_state=False, state_save=record)()
         assert np.array_equal(_h(xp, cs), c["state"])
         tcc = xp.array(np.array([fg.ptr(record), fg.ptr(cs)], dtype=np.uint64))
-        for n in (T, 3):
+        for n in (T, min(3, T - 1)):
             params[1] = n
             fg.op_gdn_commit_conv("cc", tcc, 1, params, C, kc)()
             X = np.concatenate([c["state"], c["qkv"]], axis=0)

@@ -107,7 +107,10 @@ class _EmuKernel:
 
 
 def _inline_includes(code: str) -> str:
-    return code.replace('#include "tc_common.cuh"', (KERNELS / "tc_common.cuh").read_text())
+    """Every `#include "x.cuh"` of a kernels/ header replaced by its text (as kernels/cuda_backend.py
+    does for CuPy), so the build cache key covers the headers too."""
+    return re.sub(r'^\s*#include "(\w+\.cuh)"\s*$', lambda m: (KERNELS / m.group(1)).read_text(), code,
+                  flags=re.MULTILINE)
 
 
 def _flags(extra: Iterable[str] = ()) -> list[str]:
