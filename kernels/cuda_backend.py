@@ -176,6 +176,12 @@ def _inline_includes(code: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _cublas_gemm_ex(*args) -> None:
+    """cuBLAS / hipBLAS gemmEx through CuPy (a function of its own so a test can take it away)."""
+    from cupy_backends.cuda.libs import cublas
+    cublas.gemmEx(*args)
+
+
 def _shape_str(a) -> str:
     return f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}"
 
@@ -215,6 +221,8 @@ class CudaBackend:
         self._clock_khz: int | None = None
         self._fused = None
         self._tc_scratch: dict[str, Any] = {}
+        self._gemm_ex = True             # cuBLAS / hipBLAS gemmEx for the wide product (else an f32 GEMM)
+        self.gemm_ex_error: str | None = None
         self.pdl = True                  # programmatic dependent launch in captured steps (sm_90)
         self.pdl_used = False            # whether the last captured graph got it
         self.pdl_error: str | None = None
@@ -507,19 +515,30 @@ class CudaBackend:
             self._tc_scratch["wide"] = None
             scratch = self._tc_scratch["wide"] = cp.empty(need, dtype=cp.uint16)
         handle = cp.cuda.device.get_cublas_handle()
-        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        x_r = None
         for t0 in range(0, weight.n_tiles, tiles):
             nt = min(tiles, weight.n_tiles - t0)
             w16 = scratch[:16 * nt * ld].reshape(16 * nt, ld)
             self.fused.units_to_f16(weight, w16, t0, nt)
             rows = min(16 * nt, weight.n_out - 16 * t0)
-            # column-major view: y.T[rows, T] (ld n_out) = w16[rows, n_in] (ld ld) @ x16.T[n_in, T]
-            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n_t, n_in,
-                          one.ctypes.data, w16.data.ptr, _CUDA_R_16F, ld, x16.data.ptr, _CUDA_R_16F, n_in,
-                          zero.ctypes.data, y.data.ptr + 4 * 16 * t0, _CUDA_R_32F, weight.n_out,
-                          cublas.CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+            r0 = 16 * t0
+            if self._gemm_ex:
+                try:
+                    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+                    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+                    # column-major view: y.T[rows, T] (ld n_out) = w16[rows, n_in] (ld ld) @ x16.T[n_in, T]
+                    _cublas_gemm_ex(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n_t, n_in,
+                                  one.ctypes.data, w16.data.ptr, _CUDA_R_16F, ld, x16.data.ptr, _CUDA_R_16F, n_in,
+                                  zero.ctypes.data, y.data.ptr + 4 * r0, _CUDA_R_32F, weight.n_out,
+                                  cublas.CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+                    continue
+                except Exception as exc:     # a BLAS without gemmEx (or its f16 types): the f32 product below
+                    self._gemm_ex = False
+                    self.gemm_ex_error = f"{type(exc).__name__}: {exc}"
+            if x_r is None:
+                x_r = x16.astype(cp.float32)         # the rows as the GEMM sees them (rounded to f16)
+            y[:, r0:r0 + rows] = x_r @ w16[:rows, :n_in].view(cp.float16).astype(cp.float32).T
         return y
 
     def matmul(self, x: Any, weight: GpuWeight) -> Any:

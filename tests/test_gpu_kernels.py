@@ -171,6 +171,16 @@ def test_tensor_core_weight_matmul_matches_cpu(gpu, case, n_t, monkeypatch):
     ref64 = x.astype(np.float64) @ ggml_quants.dequantize(t.raw, qtype, n_in).astype(np.float64).T
     assert got.shape == (n_t, n_out) and np.isfinite(got).all()
     assert rel_err(got, ref64) <= 2e-3, f"{qtype.name} T={n_t}: {rel_err(got, ref64):.3g}"
+    if n_t >= cuda_backend.WIDE_MIN_T:
+        # a BLAS without gemmEx (the fallback an f32 GEMM of the same f16 weights and rows): same result
+        def no_gemm_ex(*a, **k):
+            raise RuntimeError("no gemmEx here")
+        monkeypatch.setattr(cuda_backend, "_cublas_gemm_ex", no_gemm_ex)
+        fresh = CudaBackend()
+        w2 = fresh.load_matmul_weight(t)
+        got2 = fresh.to_host(fresh.matmul(fresh.asarray(x), w2))
+        assert not fresh._gemm_ex and "no gemmEx" in fresh.gemm_ex_error
+        assert rel_err(got2, got) <= 1e-5
 
 
 @apply_marks
