@@ -632,12 +632,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         const long long fa = (long long)rbx * n_sb;
         const int first = stripe_owner(fa, W, Gn), n_part = stripe_owner(fa + n_sb - 1, W, Gn) - first + 1;
         put_partial(rbx, a);
-        __threadfence();
         __syncthreads();
-        if (tid == 0) s_last[0] = atomicAdd(&counters[rbx], 1) == n_part - 1;
+        if (tid == 0) s_last[0] = atomic_add_acq_rel(&counters[rbx], 1) == n_part - 1;
         __syncthreads();
         if (!s_last[0]) return;
-        __threadfence();
         int sgx, lrx;
         rb_locate<MODE>(s_segs, n_segs, rbx, sgx, lrx);
         // Each computing thread sums elements tid + MM_THREADS * e of all partials, walking the

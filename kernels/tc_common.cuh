@@ -103,6 +103,27 @@ __device__ __forceinline__ float ldcg_f32(const float* p) { return __builtin_non
 #define TC_HAVE_PRIMITIVES 1
 #endif
 
+// Split-K arrival: one thread adds to a counter with acquire-release semantics at device scope,
+// after a block barrier, so that the block's earlier stores (ordered before it by the barrier;
+// release is cumulative) are visible to whichever block sees the count, and that block's later
+// loads (ordered after it by the next barrier) see theirs: one fence for the block instead of a
+// __threadfence per thread (the pattern of CUTLASS's semaphore).
+#if defined(DFLASH_EMU)
+inline int atomic_add_acq_rel(int* p, int v) {
+    return std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_acq_rel);
+}
+#elif defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+}
+#else
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+#endif
+
 // Every lane of the warp reaches this point before any goes on (lanes that issue copies after
 // lane 0 armed the barrier).
 #if defined(DFLASH_EMU)
