@@ -874,14 +874,21 @@ __device__ __forceinline__ u32 nibble_word(int o, const Nib& nib) {
     return v;
 }
 
-extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
-                                       int row_bytes, int n_sb, long long n_words) {
-    const int UW = 2304 / 4;
+// The grid-stride walk every repack kernel shares: output word wi -> (tile, superblock, byte offset
+// o inside the UNIT-byte unit); out[wi] = word(tile, sb, o).
+template <int UNIT, typename Word>
+__device__ __forceinline__ void repack_units(u32* __restrict__ out, int n_sb, long long n_words, const Word& word) {
     for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
          wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / UW;
-        const int o = (int)(wi % UW) * 4;
-        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+        const long long unit = wi / (UNIT / 4);
+        const int o = (int)(wi % (UNIT / 4)) * 4;
+        out[wi] = word((int)(unit / n_sb), (int)(unit % n_sb), o);
+    }
+}
+
+extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
+                                       int row_bytes, int n_sb, long long n_words) {
+    repack_units<2304>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v;
         if (o < 2048) {
             v = nibble_word(o, [&](int row16, int col) {
@@ -891,18 +898,13 @@ extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u3
             const int rr = (o - 2048) / 16, c = ((o - 2048) % 16) / 4;
             v = k_scale_word(raw, row_bytes, n_rows, n_sb, 144, tile * 16 + rr, sb, c);
         }
-        out[wi] = v;
-    }
+        return v;
+    });
 }
 
 extern "C" __global__ void repack_q5_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, long long n_words) {
-    const int UW = 2816 / 4;
-    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
-         wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / UW;
-        const int o = (int)(wi % UW) * 4;
-        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+    repack_units<2816>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 2048) {
             v = nibble_word(o, [&](int row16, int col) {
@@ -933,8 +935,8 @@ extern "C" __global__ void repack_q5_k(const unsigned char* __restrict__ raw, u3
             const int rr = (o - 2560) / 16, c = ((o - 2560) % 16) / 4;
             v = k_scale_word(raw, row_bytes, n_rows, n_sb, 176, tile * 16 + rr, sb, c);
         }
-        out[wi] = v;
-    }
+        return v;
+    });
 }
 
 // Q6_K element (row, col) of superblock sb as its 6-bit code q (w = d * sc[col/16] * (q - 32)).
@@ -950,12 +952,7 @@ __device__ __forceinline__ u32 q6_code(const unsigned char* raw, int row_bytes, 
 
 extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, long long n_words) {
-    const int UW = 3360 / 4;
-    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
-         wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / UW;
-        const int o = (int)(wi % UW) * 4;
-        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+    repack_units<3360>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 2048) {
             v = nibble_word(o, [&](int row16, int col) { return q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col); });
@@ -991,8 +988,8 @@ extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u3
                 v |= dv << (16 * k);
             }
         }
-        out[wi] = v;
-    }
+        return v;
+    });
 }
 
 // IQ4_XS element (row, col) of superblock sb as its 4-bit codebook index (w = d * (ls - 32) * kv[q]).
@@ -1006,12 +1003,7 @@ __device__ __forceinline__ u32 iq4_code(const unsigned char* raw, int row_bytes,
 // n_in is a whole number of superblocks (FusedGpu.repack checks), so every superblock is real.
 extern "C" __global__ void repack_iq4_xs(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                          int row_bytes, int n_sb, long long n_words) {
-    const int UW = 2176 / 4;
-    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
-         wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / UW;
-        const int o = (int)(wi % UW) * 4;
-        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+    repack_units<2176>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 2048) {
             const int i = o / 512, lane = (o % 512) / 16, s = 4 * i + (o % 16) / 4;
@@ -1030,19 +1022,14 @@ extern "C" __global__ void repack_iq4_xs(const unsigned char* __restrict__ raw, 
 #pragma unroll
             for (int b = 0; b < 4; ++b) v |= raw_byte(raw, row_bytes, n_rows, row, sb * 136 + 4 * (k & 1) + b) << (8 * b);
         }
-        out[wi] = v;
-    }
+        return v;
+    });
 }
 
 // Q8_0: a unit is 8 consecutive blocks of 32; n_blk = n_in / 32 real blocks per row.
 extern "C" __global__ void repack_q8_0(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, int n_blk, long long n_words) {
-    const int UW = 4352 / 4;
-    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
-         wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / UW;
-        const int o = (int)(wi % UW) * 4;
-        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+    repack_units<4352>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 4096) {
             const int p = o / 512, lane = (o % 512) / 16, h = (o % 16) / 8, half_word = (o % 8) / 4;
@@ -1068,19 +1055,14 @@ extern "C" __global__ void repack_q8_0(const unsigned char* __restrict__ raw, u3
                 v |= dv << (16 * k);
             }
         }
-        out[wi] = v;
-    }
+        return v;
+    });
 }
 
 // F16: n_in real columns.
 extern "C" __global__ void repack_f16(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                       int row_bytes, int n_sb, int n_in, long long n_words) {
-    const int UW = 8192 / 4;
-    for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
-         wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / UW;
-        const int o = (int)(wi % UW) * 4;
-        const int tile = (int)(unit / n_sb), sb = (int)(unit % n_sb);
+    repack_units<8192>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         const int s = o / 512, lane = (o % 512) / 16, r = (o % 16) / 4;
         u32 v = 0;
 #pragma unroll
@@ -1093,8 +1075,8 @@ extern "C" __global__ void repack_f16(const unsigned char* __restrict__ raw, u32
                 h = raw_byte(raw, row_bytes, n_rows, row, 2 * n) | (raw_byte(raw, row_bytes, n_rows, row, 2 * n + 1) << 8);
             v |= h << (16 * hf);
         }
-        out[wi] = v;
-    }
+        return v;
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
