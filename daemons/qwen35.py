@@ -514,7 +514,8 @@ class Qwen35Model:
         return (out, captured) if capture_layers is not None else out
 
     def verify(self, token_ids: Sequence[int], state: Qwen35State, capture_layers: Collection[int] | None = None,
-               reuse: VerifyRecord | None = None, logits: str = "all") -> tuple[np.ndarray, dict[int, np.ndarray], Any]:
+               reuse: VerifyRecord | None = None, logits: str = "all",
+               top_k: int = 0) -> tuple[Any, dict[int, np.ndarray], Any]:
         """Forward a speculative block (positions state.n_past ...) and advance `state` by all of it;
         returns (logits float32 [T, vocab], {il: captured layer output [T, n_embd]}, record). Keep a
         prefix of the block with `rollback(state, record, n_keep)`.
@@ -527,18 +528,25 @@ class Qwen35Model:
 
         `reuse`: an earlier record of this model whose checkpoint buffers may be overwritten (the
         caller is done rolling back with it); saves allocating T states per layer every step.
-        `logits="argmax"` returns the int64 greedy id of every row instead of the logits.
+        `logits="argmax"` returns the int64 greedy id of every row instead of the logits;
+        `logits="topk"` a list with, per row, the `top_k` largest logits as (int64 ids ascending,
+        float32 values) (daemons/sampling.py top_candidates; the row [vocab] itself when it holds a
+        NaN or +inf) — on a GPU step selected on the device, so a sampled verify copies those only.
 
         On a GPU step (daemons/qwen35_gpu.py) the record is a `GpuVerifyRecord`: the block's inputs
         stay in the engine's buffers until the next verify, and `rollback` replays the kept prefix."""
         ids = self._check_call(token_ids, state, capture_layers)
-        if logits not in ("all", "argmax"):
-            raise ModelInputError(f"verify logits must be 'all' or 'argmax', got {logits!r}")
+        if logits not in ("all", "argmax", "topk"):
+            raise ModelInputError(f"verify logits must be 'all', 'argmax' or 'topk', got {logits!r}")
+        if logits == "topk" and not 1 <= top_k <= self.n_vocab:
+            raise ModelInputError(f"top_k must be in 1..{self.n_vocab} for logits='topk', got {top_k!r}")
         if self.gpu_step is not None:
             from daemons.qwen35_gpu import MAX_T
             if len(ids) > MAX_T:
                 raise ModelInputError(f"a verify block holds at most {MAX_T} tokens on the GPU, got {len(ids)}")
-            return self.gpu_step.verify(ids, state, logits=logits, capture=capture_layers or ())
+            if logits == "topk" and top_k > self.device_topk_max:
+                raise ModelInputError(f"top_k={top_k}: the device selects at most {self.device_topk_max}")
+            return self.gpu_step.verify(ids, state, logits=logits, capture=capture_layers or (), top_k=top_k)
         hp, xp = self.hparams, self.backend.xp
         T = len(ids)
         layers = hp.deltanet_layers
@@ -553,6 +561,8 @@ class Qwen35Model:
         out, captured = self._run(ids, state, "all", capture_layers, False, record=record)
         if logits == "argmax":
             out = np.argmax(out, axis=-1).astype(np.int64)
+        elif logits == "topk":
+            out = [row.copy() if not (row < np.inf).all() else top_candidates(row, top_k) for row in out]
         return out, captured, record
 
     def rollback(self, state: Qwen35State, record: VerifyRecord, n_keep: int) -> None:

@@ -135,6 +135,7 @@ class Qwen35GpuStep:
         # [0] NaN / +inf count, [1 : 1+k] ids, [1+k : 1+2k] the values' float32 bits
         self.topk_out = xp.zeros(1 + 2 * TOPK_MAX, dtype=xp.int32)
         self._topk_ops: dict[int, Op] = {}
+        self._topk_rows: Any = None          # [meta T | ids T*k | vals T*k] of a verify, allocated at first use
         # params block: [0] n_past, [1] n_keep (commit), [2:2+T] token ids
         self.params = xp.zeros(2 + MAX_T, dtype=xp.int32)
         self._params_host = np.zeros(2 + MAX_T, dtype=np.int32)
@@ -337,15 +338,16 @@ class Qwen35GpuStep:
         out = host logits [1 | T, V] ("last" / "all"), int64 ids [1 | T] ("argmax_last" / "argmax"),
         the top_k largest logits of the last row as (int64 ids ascending, float32 values)
         ("topk_last"; the whole row [1, V] instead when it holds a NaN or +inf, for the sampler to
-        reject), or None ("none"); captured = {il: float32 [T, n_embd]}."""
+        reject), a list of that per row ("topk": sampled speculative verify), or None ("none");
+        captured = {il: float32 [T, n_embd]}."""
         T = len(ids)
         if not 1 <= T <= MAX_T:
             raise ValueError(f"a GPU step takes 1..{MAX_T} tokens, got {T}")
-        if logits == "topk_last" and not 1 <= top_k <= min(TOPK_MAX, self.V):
+        if logits in ("topk_last", "topk") and not 1 <= top_k <= min(TOPK_MAX, self.V):
             raise ValueError(f"top_k={top_k}: a GPU step hands 1..{min(TOPK_MAX, self.V)} candidates to the host")
         cap = tuple(sorted(int(i) for i in capture))
         plan_logits = {"last": "last", "all": "all", "none": "none", "argmax": "all", "argmax_last": "last",
-                       "topk_last": "last"}[logits]
+                       "topk_last": "last", "topk": "all"}[logits]
         self._bind(state)
         ph = self._params_host
         ph[0] = state.n_past
@@ -361,6 +363,8 @@ class Qwen35GpuStep:
             out = self._to_host(self.ids_out[:n_rows]).astype(np.int64)
         elif logits == "topk_last":
             out = self._topk_last(top_k)
+        elif logits == "topk":
+            out = self._topk_all(top_k, T)
         elif logits != "none":
             out = np.array(self._to_host(self.logits[:n_rows]), dtype=np.float32, copy=True)
         captured = {}
@@ -383,14 +387,37 @@ class Qwen35GpuStep:
             return np.array(self._to_host(self.logits[:1]), dtype=np.float32, copy=True)
         return host[1:1 + k].astype(np.int64), host[1 + k:1 + 2 * k].view(np.float32).copy()
 
+    def _topk_all(self, k: int, T: int) -> list:
+        """`_topk_last` for each of the T rows of an "all" step (a sampled verify): per row (ids,
+        vals), or the row [V] itself when it holds a NaN or +inf. One launch, one copy of T*(2k+1)
+        words instead of T rows of the vocabulary."""
+        if self._topk_rows is None:
+            self._topk_rows = self.xp.zeros(MAX_T * (1 + 2 * TOPK_MAX), dtype=self.xp.int32)
+        buf = self._topk_rows
+        # built per call (T and k vary from verify to verify; building a launch is cheap)
+        self.fg.op_topk("topk rows", self.logits, self.V, self.V, k, buf[T:T + T * k], buf[T + T * k:T + 2 * T * k],
+                        buf[:T], T)()
+        host = self._to_host(buf[:T + 2 * T * k])
+        meta, ids = host[:T], host[T:T + T * k].reshape(T, k)
+        vals = host[T + T * k:T + 2 * T * k].view(np.float32).reshape(T, k)
+        out = []
+        for t in range(T):
+            if meta[t] > 0:
+                out.append(np.array(self._to_host(self.logits[t]), dtype=np.float32, copy=True))
+            else:
+                out.append((ids[t].astype(np.int64), vals[t].copy()))
+        return out
+
     def _to_host(self, a) -> np.ndarray:
         return a if self.xp is np else self.xp.asnumpy(a)
 
-    def verify(self, ids: Sequence[int], state: Any, logits: str = "all", capture: Collection[int] = ()):
-        """A speculative block: logits (or ids) of every row, captured layers, and the record
-        `commit` needs. The recurrent state is left as it was; n_past advances by T."""
+    def verify(self, ids: Sequence[int], state: Any, logits: str = "all", capture: Collection[int] = (),
+               top_k: int = 0):
+        """A speculative block: logits (or ids, or per-row top-k candidates) of every row, captured
+        layers, and the record `commit` needs. The recurrent state is left as it was; n_past
+        advances by T."""
         n0 = state.n_past
-        out, captured = self.step(ids, state, mode="verify", logits=logits, capture=capture)
+        out, captured = self.step(ids, state, mode="verify", logits=logits, capture=capture, top_k=top_k)
         self.generation += 1
         rec = GpuVerifyRecord(n_past0=n0, n_tokens=len(ids), generation=self.generation, state_id=id(state))
         return out, captured, rec

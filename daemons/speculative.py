@@ -230,19 +230,30 @@ class SpeculativeDecoder:
             drafts = cut_proposal(self.drafter.propose(n, anchor, limit), self.params, limit)
         block = [int(anchor)] + drafts
         # Greedy sampling is the argmax of each row: ask the model for the ids (on a GPU only they
-        # cross to the host); the sampler would pick the same token from the logits.
+        # cross to the host); the sampler would pick the same token from the logits. Sampling that
+        # only the largest k logits decide (top_k on, penalties that only lower logits) asks for
+        # those k per row, selected on the device where the model can (Sampler.candidates_needed).
         greedy = sampler.params.is_greedy
+        k = 0 if greedy else self._candidates_needed(sampler, history, drafts)
+        mode = "argmax" if greedy else ("topk" if k else "all")
         logits, captured, record = self.model.verify(block, state, capture_layers=self.capture_layers,
-                                                     reuse=self._buffers, logits="argmax" if greedy else "all")
+                                                     reuse=self._buffers, logits=mode,
+                                                     **({"top_k": k} if k else {}))
         self._buffers = record            # its checkpoint buffers serve the next verify (grown when needed)
 
         track_rng = sampler.params.temperature > 0          # greedy sampling draws no random numbers
         penalties = sampler.params.has_penalties
         hist = list(history) if penalties else history
+        vocab = int(getattr(self.model, "n_vocab", 0) or 0)
         sampled: list[int] = []
         self._rng_after = []
         for i in range(len(block)):
-            s = int(logits[i]) if greedy else int(sampler.sample(logits[i], hist))
+            if greedy:
+                s = int(logits[i])
+            elif k and isinstance(logits[i], tuple):
+                s = int(sampler.sample_candidates(logits[i][0], logits[i][1], vocab, hist))
+            else:                         # the whole row (no top-k, or a NaN / +inf row the sampler rejects)
+                s = int(sampler.sample(logits[i], hist))
             sampled.append(s)
             if track_rng:
                 self._rng_after.append(sampler.get_state())
@@ -257,6 +268,27 @@ class SpeculativeDecoder:
         self.drafter.observe(n, block[:a + 1], self._features(captured, a + 1))
         self.stats.record(len(drafts), a)
         return sampled
+
+    def _candidates_needed(self, sampler: Any, history: Sequence[int], drafts: Sequence[int]) -> int:
+        """The k for a verify with top-k rows, or 0 for whole rows: the most candidates any row of
+        the block needs (row i samples after history + drafts[:i]), when the model selects them on
+        the device (`device_topk_max`) and every row needs only some."""
+        k_max = int(getattr(self.model, "device_topk_max", 0) or 0)
+        vocab = int(getattr(self.model, "n_vocab", 0) or 0)
+        if not k_max or not vocab:
+            return 0
+        if not sampler.params.has_penalties:            # the history does not matter
+            k = sampler.candidates_needed(history, vocab)
+        else:
+            hist, k = list(history), 0
+            for i in range(len(drafts) + 1):
+                need = sampler.candidates_needed(hist, vocab)
+                if need == 0:
+                    return 0
+                k = max(k, need)
+                if i < len(drafts):
+                    hist.append(int(drafts[i]))
+        return k if 0 < k <= k_max else 0
 
     def truncate(self, state: Any, sampler: Any, n_used: int) -> None:
         """Generation ended at the n_used-th token the last `step` returned: cut the state to the

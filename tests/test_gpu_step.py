@@ -367,6 +367,46 @@ def test_sampled_generation_reads_only_candidates_and_equals_the_row(models, mon
     assert got.token_ids == full.token_ids
 
 
+def test_sampled_speculative_decoding_verifies_with_device_top_k(models, monkeypatch):
+    """Sampled speculative decoding on the step: each verify row's candidates are selected on the
+    device (logits="topk": one launch over the block, T*(2k+1) words to the host) and equal the
+    largest logits of the row an "all" verify returns; the output is the AR sample of the same
+    seed (the exact-target-sampling rule of daemons/speculative.py)."""
+    from daemons.generate import GenerationRequest, generate_all
+    from daemons.sampling import SamplingParams, top_candidates
+    from daemons.speculative import OracleDrafter, SpeculativeDecoder
+    from daemons.tokenizer import Tokenizer
+    name, kind, cpu, dev = models
+    prompt = _prompt(dev.n_vocab, 9, seed=5)
+    base = dev.new_state(96)
+    dev.forward(prompt, base)
+    block = _prompt(dev.n_vocab, 7, seed=6)
+    rows, _, _ = dev.verify(block, base.copy(), logits="topk", top_k=30)
+    full, _, _ = dev.verify(block, base.copy(), logits="all")
+    assert len(rows) == len(block)
+    for t, (ids, vals) in enumerate(rows):
+        ref_i, ref_v = top_candidates(full[t], 30)
+        assert ids.tolist() == ref_i.tolist() and np.array_equal(vals, ref_v), f"row {t}"
+
+    tok = Tokenizer.from_metadata(dev.metadata)
+    n = 16 if name == "emu" else 40
+    params = SamplingParams(temperature=1.0, top_k=25, top_p=0.9, repeat_penalty=1.2, repeat_last_n=16, seed=21)
+    req = GenerationRequest(prompt_ids=tuple(prompt), max_tokens=n, sampling=params)
+    ar = generate_all(dev, tok, req)
+    modes = []
+    real_verify = dev.verify
+
+    def spy(*a, **kw):
+        modes.append(kw.get("logits"))
+        return real_verify(*a, **kw)
+    monkeypatch.setattr(dev, "verify", spy)
+    oracle = OracleDrafter(len(prompt), list(ar.token_ids) + [0] * 8, 6, dev.n_vocab, seed=2)
+    spec = SpeculativeDecoder(dev, oracle)
+    got = generate_all(dev, tok, req, speculative=spec)
+    assert got.token_ids == ar.token_ids
+    assert modes and set(modes) == {"topk"} and got.stats.spec["accepted"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(NO_GPU is not None, reason=f"no GPU backend: {NO_GPU}")
 def test_real_dflash_draft_on_the_step(tmp_path):

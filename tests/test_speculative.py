@@ -234,6 +234,34 @@ def test_sampled_speculative_decoding_equals_sampled_decoding(target, params):
         assert sp.stats.spec["accepted"] > 0
 
 
+def test_sampled_verify_from_top_k_rows_equals_whole_rows(target, monkeypatch):
+    # A model that selects candidates itself (a GPU step: device_topk_max > 0) is asked, for sampling
+    # that only the largest logits decide, for the top-k rows of a verify instead of whole rows, and
+    # for the last row's top-k in AR decoding. Bug guarded: a k too small for a later row of the
+    # block (penalties that grow with the drafts in the history) or candidates sampled differently
+    # from the whole row: the output must be the whole-row AR sample for the same seed.
+    from daemons.qwen35 import Qwen35Model
+    model, hf, _ = target
+    params = dict(temperature=1.1, top_k=20, top_p=0.95, repeat_penalty=1.2, repeat_last_n=8, seed=7)
+    prompt = prompt_ids(hf, 10, seed=77)
+    req = GenerationRequest(prompt_ids=prompt, max_tokens=30, sampling=SamplingParams(**params))
+    ar = run(model, req, sampler=Sampler(req.sampling))                 # whole rows (no device top-k)
+    monkeypatch.setattr(Qwen35Model, "device_topk_max", property(lambda self: 4096))
+    modes = []
+    real_verify = Qwen35Model.verify
+
+    def verify(self, *a, **kw):
+        modes.append((kw.get("logits"), kw.get("top_k")))
+        return real_verify(self, *a, **kw)
+    monkeypatch.setattr(Qwen35Model, "verify", verify)
+    oracle = OracleDrafter(len(prompt), list(ar.token_ids) + [0] * 8, 6, model.n_vocab, seed=3)
+    sp_sampler = Sampler(req.sampling)
+    sp = run(model, req, sampler=sp_sampler, speculative=SpeculativeDecoder(model, oracle))
+    assert sp.token_ids == ar.token_ids
+    assert modes and all(m == "topk" and k > params["top_k"] for m, k in modes), modes
+    assert sp.stats.spec["accepted"] > 0
+
+
 # ---- dynamic draft length -----------------------------------------------------------------------
 
 def test_margin_cut_and_minimum():
