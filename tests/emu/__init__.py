@@ -199,14 +199,70 @@ class EmuDevice:
 class EmuBackend(EmuDevice):
     """Enough of a model backend for `daemons.qwen35.Qwen35Model` to load onto the emulated device
     and run through its GPU step (daemons/qwen35_gpu.py): weights in the GPU layouts (raw GGUF rows
-    for the embedding, tensor-core units for the rest), vectors as float32 arrays."""
+    for the embedding, tensor-core units for the rest), vectors as float32 arrays.
+
+    The backend operations (what a wide forward of `wide_batch_min` tokens or more, or a model off
+    the step, runs) are the CPU backend's on the same numpy arrays, except the matrix products of
+    tensor-core weights, which go the CUDA backend's way on the emulated kernels: below
+    `wide_batch_min` rows the step's kernel 32 rows at a time, from it the units dequantised to f16
+    (`units_f16_*`) and multiplied in float32 (standing in for cuBLAS, which accumulates in f32)."""
 
     supports_fused_step = True
+    _CPU_OPS = ("rms_norm", "l2_norm", "rope_neox", "silu_mul", "sigmoid_mul", "gated_rms_norm",
+                "causal_conv1d_silu", "deltanet_recurrent", "deltanet_chunked", "attention", "argmax")
 
-    def __init__(self):
+    def __init__(self, wide_scratch_tiles: int = 4):
         super().__init__()
+        from kernels.cpu_backend import CPUBackend
+        from kernels.cuda_backend import WIDE_MIN_T
         from kernels.fused_gpu import FusedGpu
         self.fused = FusedGpu(self)
+        self._cpu = CPUBackend()
+        self.wide_batch_min = WIDE_MIN_T
+        self.wide_scratch_tiles = wide_scratch_tiles     # tiles per dequantised slice (several slices per matrix)
+
+    def __getattr__(self, name: str):
+        cpu = self.__dict__.get("_cpu")
+        if cpu is not None and name in EmuBackend._CPU_OPS:
+            return getattr(cpu, name)
+        raise AttributeError(name)
+
+    def _plain(self, weight: Any):
+        """A raw-layout GpuWeight as the CPU backend's QuantizedWeight (the same GGUF bytes)."""
+        from kernels.matmul import QuantizedWeight
+        raw = weight.data.view(np.uint8).reshape(-1)[:weight.nbytes].reshape(weight.n_out, -1)
+        return QuantizedWeight(raw, weight.qtype, n_out=weight.n_out, n_in=weight.n_in)
+
+    def embed(self, weight: Any, token_ids: Sequence[int]) -> np.ndarray:
+        return self._cpu.embed(self._plain(weight), token_ids)
+
+    def matmul(self, x: Any, weight: Any) -> np.ndarray:
+        from kernels.fused_gpu import MAX_T, MODE_STORE, ActBuffer, MmWorkspace, TcWeight
+        x = np.asarray(x, dtype=np.float32)
+        if not isinstance(weight, TcWeight):
+            return self._cpu.matmul(x, self._plain(weight))
+        x2 = x[None, :] if x.ndim == 1 else x
+        n_t, fg = x2.shape[0], self.fused
+        y = np.zeros((n_t, weight.n_out), dtype=np.float32)
+        if n_t >= self.wide_batch_min:
+            ld, x_r = weight.n_sb * 256, x2.astype(np.float16).astype(np.float32)
+            for t0 in range(0, weight.n_tiles, self.wide_scratch_tiles):
+                nt = min(self.wide_scratch_tiles, weight.n_tiles - t0)
+                w16 = np.zeros((16 * nt, ld), dtype=np.uint16)
+                fg.units_to_f16(weight, w16, t0, nt)
+                rows = min(16 * nt, weight.n_out - 16 * t0)
+                y[:, 16 * t0:16 * t0 + rows] = x_r @ w16[:rows, :weight.n_in].view(np.float16).astype(np.float32).T
+        else:
+            act = ActBuffer(np, weight.n_in)
+            ws = MmWorkspace(np, *fg.workspace_need([weight], MODE_STORE))
+            for t0 in range(0, n_t, MAX_T):
+                t1 = min(t0 + MAX_T, n_t)
+                rows = np.ascontiguousarray(x2[t0:t1])
+                fg.op_prep_rows("prep", rows, weight.n_in, 0, None, 0.0, weight.n_in, False, act, t1 - t0)()
+                out = np.zeros((t1 - t0, weight.n_out), dtype=np.float32)
+                fg.op_mm("mm", [(weight, out, 0, weight.n_out)], act, t1 - t0, MODE_STORE, ws)()
+                y[t0:t1] = out
+        return y[0] if x.ndim == 1 else y
 
     def asarray(self, host_array: Any, dtype: Any = None) -> np.ndarray:
         return np.array(host_array, dtype=dtype, copy=True)
