@@ -1,4 +1,4 @@
-// The non-matmul kernels of the qwen35 GPU step (kernels/cuda_step.py): each is one launch that
+// The non-matmul kernels of the qwen35 GPU step (daemons/qwen35_gpu.py): each is one launch that
 // does what several backend operations do on the CPU, with fixed buffers and with everything that
 // changes from step to step (positions, the state's buffers) read from device memory, so that the
 // whole step can be captured once as a CUDA graph and replayed.
@@ -21,8 +21,8 @@
 // Determinism: every reduction has a fixed order that depends on a row's own length only, never
 // on T, so a row gives the same bits decoded alone or inside a verify batch.
 //
-// Device params block (int32, kernels/cuda_step.py): [0] n_past (position of row 0), [1] n_keep.
-// State table (u64): per layer slot, pointers into the bound state (see cuda_step.py).
+// Device params block (int32, daemons/qwen35_gpu.py): [0] n_past (position of row 0), [1] n_keep.
+// State table (u64): per layer slot, pointers into the bound state (see daemons/qwen35_gpu.py).
 #include "tc_common.cuh"
 
 #define FUSED_THREADS 256

@@ -3,7 +3,9 @@
 //
 //     y[t, o] = sum_i W[o, i] * x16[t, i]        t < T <= 32
 //
-// This is the decode / verify / prefill-chunk product of the qwen35 GPU step (kernels/cuda_step.py).
+// This is the decode / verify / short-prompt product of the qwen35 GPU step (daemons/qwen35_gpu.py);
+// from kernels/cuda_backend.py WIDE_MIN_T rows on, the units are dequantised to f16 (units_f16_* below)
+// and multiplied by cuBLAS instead.
 //
 // Weights. At load time each GGUF matrix is rearranged on the device (the `repack_*` kernels below)
 // into "units": 16 rows (one MMA tile) x 256 columns (one K-quant superblock), unit (tile, sb) at
