@@ -305,7 +305,8 @@ class _Timer:
     def __init__(self, backend, cover_s: float = 2e-3):
         self.backend = backend
         self.cover_s = cover_s
-        self.cp = backend.xp if getattr(backend, "name", "cpu") != "cpu" else None
+        xp = getattr(backend, "xp", None)
+        self.cp = xp if hasattr(xp, "cuda") else None          # CuPy: device events; numpy: the host clock
 
     def __call__(self, fn: Callable[[], Any], cover_s: float | None = None) -> tuple[float, float, Any]:
         """(device seconds, host seconds to issue, result) of fn(), synchronised before and after."""

@@ -87,3 +87,24 @@ def test_bench_refuses_27b_on_cpu_and_bad_widths():
     assert r.exit_code == 2 and "--widths" in r.output
     r = CliRunner().invoke(main, ["bench"])
     assert r.exit_code == 2 and "exactly one of --model or --synthetic" in r.output
+
+
+def test_gpu_profile_script_runs_on_the_emulator(tmp_path):
+    """tests/bench/profile_gpu_step.py (the README's per-kernel figures) end to end on the CPU
+    emulator: a step width's launches by kind, and a prefill past wide_batch_min by operation."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from tests.emu import emu_unavailable_reason
+    if emu_unavailable_reason() is not None:
+        pytest.skip(f"emulator: {emu_unavailable_reason()}")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "tests" / "bench" / "profile_gpu_step.py"), "--device", "emu",
+                        "--synthetic", "embedded", "--path", str(tmp_path / "e.gguf"), "--widths", "2",
+                        "--prefill", "64"], capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("== step T=2 (verify)") for line in lines), r.stdout
+    assert any(line.strip().startswith("mm ffn_gate|up") for line in lines), r.stdout
+    assert any(line.startswith("== prefill 64 tokens:") and "tok/s" in line for line in lines), r.stdout
+    assert any(line.strip().startswith("matmul ffn_gate") for line in lines), r.stdout   # the wide path's ops
