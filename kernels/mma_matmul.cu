@@ -100,8 +100,10 @@ template <> struct UnitBytes<QT_Q5_K> { static constexpr int v = 2816; };
 template <> struct UnitBytes<QT_Q6_K> { static constexpr int v = 3360; };
 template <> struct UnitBytes<QT_IQ4_XS> { static constexpr int v = 2176; };
 
+// Word i (0..3, the same in all lanes of a quad) of v as selects, not branches.
 __device__ __forceinline__ u32 sel4(const uint4& v, int i) {
-    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+    const u32 lo = (i & 1) ? v.y : v.x, hi = (i & 1) ? v.w : v.z;
+    return (i & 2) ? hi : lo;
 }
 template <int I> __device__ __forceinline__ u32 comp(const uint4& v) {
     return I == 0 ? v.x : (I == 1 ? v.y : (I == 2 ? v.z : v.w));
@@ -177,10 +179,10 @@ struct UnitQ4K : KQuantScales {
         const u32 w = comp<S & 3>(q[S >> 2]);
         constexpr int j = S >> 3;                       // scale group 2c + j
         const u32 w8 = w >> 8;
-        a[0] = h2fma((w & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
-        a[1] = h2fma((w & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
-        a[2] = h2fma((w8 & 0x000F000Fu) | H2_1024, c1[j], b1[j]);
-        a[3] = h2fma((w8 & 0x00F000F0u) | H2_1024, c16[j], b16[j]);
+        a[0] = h2fma(lop_and_or<0x000F000Fu>(w, H2_1024), c1[j], b1[j]);
+        a[1] = h2fma(lop_and_or<0x00F000F0u>(w, H2_1024), c16[j], b16[j]);
+        a[2] = h2fma(lop_and_or<0x000F000Fu>(w8, H2_1024), c1[j], b1[j]);
+        a[3] = h2fma(lop_and_or<0x00F000F0u>(w8, H2_1024), c16[j], b16[j]);
     }
 };
 
@@ -202,10 +204,10 @@ struct UnitQ5K : KQuantScales {
         const u32 t = comp<(S >> 2)>(qh) >> (S & 3);
         constexpr int j = S >> 3;
         const u32 w8 = w >> 8;
-        a[0] = h2fma((w & 0x000F000Fu) | (t & 0x00100010u) | H2_1024, c1[j], b1[j]);
-        a[1] = h2fma((w & 0x00F000F0u) | (t & 0x01000100u) | H2_1024, c16[j], b16[j]);
-        a[2] = h2fma((w8 & 0x000F000Fu) | ((t << 4) & 0x00100010u) | H2_1024, c1[j], b1[j]);
-        a[3] = h2fma((w8 & 0x00F000F0u) | ((t >> 4) & 0x01000100u) | H2_1024, c16[j], b16[j]);
+        a[0] = h2fma(lop_and_or<0x000F000Fu>(w, lop_and_or<0x00100010u>(t, H2_1024)), c1[j], b1[j]);
+        a[1] = h2fma(lop_and_or<0x00F000F0u>(w, lop_and_or<0x01000100u>(t, H2_1024)), c16[j], b16[j]);
+        a[2] = h2fma(lop_and_or<0x000F000Fu>(w8, lop_and_or<0x00100010u>(t << 4, H2_1024)), c1[j], b1[j]);
+        a[3] = h2fma(lop_and_or<0x00F000F0u>(w8, lop_and_or<0x01000100u>(t >> 4, H2_1024)), c16[j], b16[j]);
     }
 };
 
@@ -240,17 +242,19 @@ struct UnitQ6K {
         const u32 w = comp<S & 3>(q[S >> 2]);
         const u32 hw = comp<(S >> 1) & 3>(qh[S >> 3]);
         constexpr int k = S >> 2;                       // 16-wide group 4c + k
-        const u32 M = 0x03000300u;
-        u32 h0, h1, h2, h3;
+        constexpr u32 M = 0x03000300u;
+        u32 h0, h1, h2, h3;                             // the high bits | 1024's exponent
         if ((S & 1) == 0) {
-            h0 = hw & M; h1 = (hw >> 2) & M; h2 = (hw >> 4) & M; h3 = (hw >> 6) & M;
+            h0 = lop_and_or<M>(hw, H2_1024); h1 = lop_and_or<M>(hw >> 2, H2_1024);
+            h2 = lop_and_or<M>(hw >> 4, H2_1024); h3 = lop_and_or<M>(hw >> 6, H2_1024);
         } else {
-            h0 = (hw << 8) & M; h1 = (hw << 6) & M; h2 = (hw << 4) & M; h3 = (hw << 2) & M;
+            h0 = lop_and_or<M>(hw << 8, H2_1024); h1 = lop_and_or<M>(hw << 6, H2_1024);
+            h2 = lop_and_or<M>(hw << 4, H2_1024); h3 = lop_and_or<M>(hw << 2, H2_1024);
         }
-        a[0] = h2fma(((w << 4) & 0x00F000F0u) | h0 | H2_1024, cs[k][0], bs[k][0]);
-        a[1] = h2fma((w & 0x00F000F0u) | h1 | H2_1024, cs[k][1], bs[k][1]);
-        a[2] = h2fma(((w >> 4) & 0x00F000F0u) | h2 | H2_1024, cs[k][0], bs[k][0]);
-        a[3] = h2fma(((w >> 8) & 0x00F000F0u) | h3 | H2_1024, cs[k][1], bs[k][1]);
+        a[0] = h2fma(lop_and_or<0x00F000F0u>(w << 4, h0), cs[k][0], bs[k][0]);
+        a[1] = h2fma(lop_and_or<0x00F000F0u>(w, h1), cs[k][1], bs[k][1]);
+        a[2] = h2fma(lop_and_or<0x00F000F0u>(w >> 4, h2), cs[k][0], bs[k][0]);
+        a[3] = h2fma(lop_and_or<0x00F000F0u>(w >> 8, h3), cs[k][1], bs[k][1]);
     }
 };
 
