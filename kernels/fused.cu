@@ -55,11 +55,11 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// vals[0..count) (smem) = natural columns n0 .. n0+count-1 of one row -> its act16 row (f16,
-// permuted) and the block sums of those columns. n0 % 32 == 0 and count % 8 == 0; a 32-column block
-// must lie inside the range (count % 32 == 0, or the range ends the row). Every thread of the block
-// must call it (shuffles).
-__device__ void prep_cols(const float* vals, int n0, int count, u16* __restrict__ out16, u16* __restrict__ outxs) {
+// vals[0..count) (smem) = natural columns n0 .. n0+count-1 of row t -> that row of an activation
+// buffer (f16, permuted: tc_common.cuh act_index) and the block sums of those columns. n0 % 32 == 0
+// and count % 8 == 0; a 32-column block must lie inside the range (count % 32 == 0, or the range
+// ends the row). Every thread of the block must call it (shuffles).
+__device__ void prep_cols(const float* vals, int n0, int count, int t, u16* __restrict__ out16, u16* __restrict__ outxs) {
     const int n_groups = count >> 3;
     const int n_pad = (n_groups + blockDim.x - 1) / blockDim.x * blockDim.x;
     for (int base = 0; base < n_pad; base += blockDim.x) {
@@ -75,15 +75,15 @@ __device__ void prep_cols(const float* vals, int n0, int count, u16* __restrict_
                 s += h2f(h1);
                 packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
             }
-            *(uint4*)(out16 + act_pos(n0 + 8 * u)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            *(uint4*)(out16 + act_index(t, n0 + 8 * u)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
         s += shfl_xor(s, 1);
         s += shfl_xor(s, 2);
         if (valid && (u & 3) == 0 && outxs != nullptr) {
             const u16 hi = f2h(s);
             const u16 lo = f2h(s - h2f(hi));
-            outxs[xs_pos((n0 >> 5) + (u >> 2))] = hi;
-            outxs[xs_pos((n0 >> 5) + (u >> 2)) + 2] = lo;
+            outxs[xs_index(t, (n0 >> 5) + (u >> 2))] = hi;
+            outxs[xs_index(t, (n0 >> 5) + (u >> 2)) + 2] = lo;
         }
     }
 }
@@ -92,12 +92,12 @@ __device__ void prep_cols(const float* vals, int n0, int count, u16* __restrict_
 
 // ---------------------------------------------------------------------------------------------
 // prep_rows: row t of the output comes from x[(row0 + t) * ld_x]. norm = 1: RMSNorm with weight w
-// (w may be null), 0: values as they are. act16 rows have ld16 halves (block sums ld16 / 16).
+// (w may be null), 0: values as they are, into row t of the activation buffer out16 / outxs.
 // grid (rows, ceil(K / 256)): each block writes 256 columns; with norm, each computes the row's
 // sum of squares itself (the same fixed order in every block).
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
-    u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
+    u16* __restrict__ out16, u16* __restrict__ outxs) {
     __shared__ float vals[PREP_COLS];
     __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -138,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     }
     if ((int)threadIdx.x < count) vals[threadIdx.x] = norm ? v * inv * wv : v;
     __syncthreads();
-    prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+    prep_cols(vals, n0, count, t, out16, outxs);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_commit_conv(
 // ceil(nv*dv / 256)): a block writes 256 columns, normalising the heads they belong to.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     const float* __restrict__ o, const float* __restrict__ zb, int ldz, const float* __restrict__ w, float eps,
-    int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
+    int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs) {
     __shared__ float vals[PREP_COLS];
     __shared__ float inv_h[PREP_COLS + 1];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -380,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
         vals[threadIdx.x] = silu_f(zv) * (ov * inv_h[h - h0] * wv);
     }
     __syncthreads();
-    prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+    prep_cols(vals, n0, count, t, out16, outxs);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ qg, int H,
-    int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs, int ld16) {
+    int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs) {
     __shared__ float vals[PREP_COLS];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
@@ -585,7 +585,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
         vals[threadIdx.x] = o / (1.0f + expf(-gt));
     }
     __syncthreads();
-    prep_cols(vals, n0, count, out16 + (size_t)t * ld16, outxs ? outxs + (size_t)t * (ld16 / 16) : nullptr);
+    prep_cols(vals, n0, count, t, out16, outxs);
 }
 
 // ---------------------------------------------------------------------------------------------

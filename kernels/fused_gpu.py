@@ -45,7 +45,7 @@ PREP_COLS = 256                     # columns per block of the act16-writing ker
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
 
-MM_B_ROW = 264                      # halves per staged activation row (mma_matmul.cu)
+MM_B_ROW = 256                      # halves per staged activation row (mma_matmul.cu)
 TOPK_THREADS = 512                  # fused.cu TOPK_THREADS
 TOPK_MAX = 4096                     # the most candidates a step hands to the host sampler
 MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
@@ -109,18 +109,46 @@ class TcWeight:
 
 
 class ActBuffer:
-    """Activation rows in the tensor-core layout: x16 [MAX_T][n_sb*256] f16 (uint16 bits) and block
-    sums xs [MAX_T][n_sb*16]. Allocated zeroed; columns past K are never written, so they stay zero
-    (the weights there are zero too)."""
+    """Activation rows in the tensor-core layout, superblock-major (tc_common.cuh act_index): x16
+    [n_sb][MAX_T][256] f16 (uint16 bits, odd rows with the 64-byte halves of every 128 bytes swapped)
+    and block sums xs [n_sb][MAX_T][16]. Allocated zeroed; columns past K are never written, so they
+    stay zero (the weights there are zero too). `write_rows` / `read_rows` convert from / to the
+    row-major form of kernels/fused_ref.act_layout (tests, host-side checks)."""
 
     def __init__(self, xp, K: int):
         if K % 8:
             raise ValueError(f"activation rows of {K} values: the tensor-core layout needs a multiple of 8")
+        self.xp = xp
         self.K = int(K)
         self.n_sb = -(-self.K // 256)
         self.ld16 = self.n_sb * 256
-        self.x16 = xp.zeros((MAX_T, self.ld16), dtype=xp.uint16)
-        self.xs = xp.zeros((MAX_T, self.n_sb * 16), dtype=xp.uint16)
+        self.x16 = xp.zeros((self.n_sb, MAX_T, 256), dtype=xp.uint16)
+        self.xs = xp.zeros((self.n_sb, MAX_T, 16), dtype=xp.uint16)
+
+    @staticmethod
+    def _swizzle(T: int) -> np.ndarray:
+        """[T, 256] stored position of each row's position p: p ^ 32 on odd rows."""
+        return np.arange(256)[None, :] ^ (32 * (np.arange(T)[:, None] & 1))
+
+    def write_rows(self, x16: np.ndarray, xs: np.ndarray) -> None:
+        """Rows 0..T-1 from row-major x16 [T, >= ld16] and xs [T, >= n_sb * 16] (uint16)."""
+        x16 = np.asarray(x16, dtype=np.uint16)[:, :self.ld16]
+        xs = np.asarray(xs, dtype=np.uint16)[:, :self.n_sb * 16]
+        T = x16.shape[0]
+        blocks = np.zeros((self.n_sb, T, 256), dtype=np.uint16)
+        rows = np.arange(T)[:, None]
+        for sb in range(self.n_sb):
+            blocks[sb][rows, self._swizzle(T)] = x16[:, sb * 256:(sb + 1) * 256]
+        self.x16[:, :T] = self.xp.asarray(blocks)
+        self.xs[:, :T] = self.xp.asarray(xs.reshape(T, self.n_sb, 16).transpose(1, 0, 2))
+
+    def read_rows(self, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows 0..T-1 as row-major host arrays (x16 [T, ld16], xs [T, n_sb * 16])."""
+        get = (lambda a: a.get()) if hasattr(self.x16, "get") else np.asarray
+        blocks, sums = get(self.x16[:, :T]), get(self.xs[:, :T])
+        rows = np.arange(T)[:, None]
+        x16 = np.concatenate([blocks[sb][rows, self._swizzle(T)] for sb in range(self.n_sb)], axis=1)
+        return x16, np.ascontiguousarray(sums.transpose(1, 0, 2)).reshape(T, self.n_sb * 16)
 
 
 class MmWorkspace:
@@ -298,9 +326,8 @@ class FusedGpu:
         self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.xs if out_act is not None else None
-        ld_out = out_act.ld16 if out_act is not None else 0
         args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
-                outxs, np.int32(ld_out))
+                outxs)
         issuer = nt == 1 and "MM_ISSUER_WARP=0" not in variant      # mma_matmul.cu MM_BLOCK_THREADS
         return Op(label, kern, (gx,), (MM_THREADS + (32 if issuer else 0),), args, smem,
                   sum(w.nbytes for w in weights), tuple(keep))
@@ -310,7 +337,7 @@ class FusedGpu:
                      n_rows: int) -> Op:
         kern = self._k("fused.cu", "prep_rows")
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
-                act.x16, act.xs, np.int32(act.ld16))
+                act.x16, act.xs)
         return Op(label, kern, (n_rows, -(-K // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
@@ -354,7 +381,7 @@ class FusedGpu:
 
     def op_gdn_out_prep(self, label: str, o, z, ldz: int, w, eps: float, nv: int, dv: int, act: ActBuffer, T: int) -> Op:
         kern = self._k("fused.cu", "gdn_out_prep")
-        args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.xs, np.int32(act.ld16))
+        args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.xs)
         return Op(label, kern, (T, -(-(nv * dv) // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_attn_qk_rope_kv(self, label: str, qg, k, v, q_norm, k_norm, eps: float, params, tbl, slot: int, qout,
@@ -377,7 +404,7 @@ class FusedGpu:
 
     def op_attn_combine_prep(self, label: str, part_o, part_ml, qg, H: int, D: int, act: ActBuffer, T: int) -> Op:
         kern = self._k("fused.cu", "attn_combine_prep")
-        args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(ATT_SPLITS), act.x16, act.xs, np.int32(act.ld16))
+        args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(ATT_SPLITS), act.x16, act.xs)
         return Op(label, kern, (T, -(-(H * D) // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_topk(self, label: str, logits, V: int, ld: int, k: int, out_ids, out_vals, meta, n_rows: int) -> Op:

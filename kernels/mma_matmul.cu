@@ -23,9 +23,10 @@
 //
 // Activations ("act16"): f16 rows of n_sb*256 halves in the same permuted order (natural column
 // n = [c:2][p:3][e:3] within a 256-block stored at [p:3][c:2][e:3]: kernels/tc_common.cuh act_pos),
-// so the four lanes of a token read 64 contiguous bytes per pair of k-steps. For Q4_K / Q5_K the
-// block sums of each 32-column block (as f16 hi + lo) ride along (tc_common.cuh xs_pos). Both are
-// written by the kernels that produce a matmul's input (fused.cu `prep_*`, the SwiGLU epilogue).
+// so the four lanes of a token read 64 contiguous bytes per pair of k-steps, stored superblock-major
+// (the rows of one superblock contiguous, odd rows swizzled: tc_common.cuh act_index). For Q4_K /
+// Q5_K the block sums of each 32-column block (as f16 hi + lo) ride along (xs_pos, xs_index). Both
+// are written by the kernels that produce a matmul's input (fused.cu `prep_*`, the SwiGLU epilogue).
 //
 // How each type turns bytes into A fragments (exact unless said):
 //   Q4_K / Q5_K  A = sc_j * q (integers <= 63*31 < 2048, exact in f16) built with one LOP3 + one
@@ -67,10 +68,20 @@
 // their registers do not fit five warps in four blocks per multiprocessor. Both do the same
 // arithmetic in the same order, so rows stay batch-invariant.
 #ifndef MM_ISSUER_WARP
+#if defined(__HIP_PLATFORM_AMD__)
+#define MM_ISSUER_WARP 0                 // HIP has no named barriers for the computing warps alone
+#else
 #define MM_ISSUER_WARP 1
 #endif
-#define MM_BLOCK_THREADS(NT) ((MM_ISSUER_WARP && (NT) == 1) ? 160 : 128)
-#define MM_ISSUER(NT) ((MM_ISSUER_WARP && (NT) == 1) ? 4 : 0)
+#endif
+#define MM_SEPARATE_ISSUER(NT) (MM_ISSUER_WARP && (NT) == 1)
+#define MM_BLOCK_THREADS(NT) (MM_SEPARATE_ISSUER(NT) ? 160 : 128)
+#define MM_ISSUER(NT) (MM_SEPARATE_ISSUER(NT) ? 4 : 0)
+// The computing warps' own barrier (the issuer warp, when separate, never joins it).
+template <int NT> __device__ __forceinline__ void mm_sync() {
+    if (MM_SEPARATE_ISSUER(NT)) compute_warps_sync(MM_THREADS);
+    else __syncthreads();
+}
 
 struct MmSeg {                 // one matrix of a launch; all share the type, n_in and the epilogue
     unsigned long long w;      // tiled weight
@@ -211,19 +222,25 @@ struct UnitQ5K : KQuantScales {
     }
 };
 
+// Q6_K unit: 3072 bytes of 6-bit codes, then 16 x 16 scale bytes (row-major), then 16 f16 d.
+// Codes: a lane's pair p of k-steps (8 registers R = 4 (S & 1) + r, two halves each) is 3 words
+// W0..W2, word 3p + i of the lane's 24 (word j at byte 512 (j >> 2) + 16 lane + 4 (j & 3)). Each
+// half (bits 16 hf..) of word i holds code R = i at bits 4-9 and code R = 3 + i at bits 10-15; the
+// last two registers' codes are spread over the bits 0-3: R6 = W0[0:4] | W1[0:2] << 4, R7 =
+// W2[0:4] | W1[2:4] << 4. Every code then becomes A at x16 (1024 + 16 q6, bits 4-9 under 1024's
+// exponent) with one LOP3 (R0-R2), a shift + LOP3 (R3-R5) or two of each (R6, R7): 17 integer
+// instructions a pair where nibble + high-bit planes took ~30. Not x1 like Q4_K: sc is a signed
+// 8-bit scale and 1024 * sc overflows f16 beyond |sc| = 63.
 struct UnitQ6K {
     static constexpr bool HAS_MIN = false, SCALED = true;
-    uint4 q[4];
-    uint4 qh[2];
+    uint4 q[6];
     u32 cs[4][2], bs[4][2];      // [16-wide group 4c + k][row g / g+8]
     float d[2], dmin[2];
     u32 amin[2];
     __device__ __forceinline__ void load(const unsigned char* u, int lane) {
         const int g = lane >> 2, c = lane & 3;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
-        qh[0] = ld128(u + 2048 + lane * 16);
-        qh[1] = ld128(u + 2560 + lane * 16);
+        for (int i = 0; i < 6; ++i) q[i] = ld128(u + i * 512 + lane * 16);
         const u32 s0 = ld32(u + 3072 + g * 16 + 4 * c), s1 = ld32(u + 3072 + (g + 8) * 16 + 4 * c);
         d[0] = h2f(ld16(u + 3328 + 2 * g));
         d[1] = h2f(ld16(u + 3328 + 2 * (g + 8)));
@@ -235,26 +252,22 @@ struct UnitQ6K {
         }
     }
     __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
-    // Every register at x16: value 1024 + 16*q6, q6 = low nibble | high 2 bits << 4; then
-    // (1024 + 16 q6) * sc/16 - 96 sc = (q6 - 32) * sc. High bits: word m = S >> 1 of qh covers
-    // k-steps 2m (fields at 8 + 2r + 16hf) and 2m+1 (fields at 2r + 16hf).
+    template <int J> __device__ __forceinline__ u32 word() const { return comp<J & 3>(q[J >> 2]); }
+    // Register R of pair P as 1024 + 16 q6 (f16x2).
+    template <int P, int R> __device__ __forceinline__ u32 code16() const {
+        constexpr u32 M = 0x03F003F0u;
+        if (R < 3) return lop_and_or<M>(word<3 * P + R>(), H2_1024);
+        if (R < 6) return lop_and_or<M>(word<3 * P + R - 3>() >> 6, H2_1024);
+        const u32 hi = lop_and_or<0x03000300u>(word<3 * P + 1>() << (R == 6 ? 8 : 6), H2_1024);
+        return lop_and_or<0x00F000F0u>(word<3 * P + (R == 6 ? 0 : 2)>() << 4, hi);
+    }
+    // (1024 + 16 q6) * sc/16 - 96 sc = (q6 - 32) * sc; registers r = 0, 2 are row g, 1, 3 row g + 8.
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
-        const u32 w = comp<S & 3>(q[S >> 2]);
-        const u32 hw = comp<(S >> 1) & 3>(qh[S >> 3]);
-        constexpr int k = S >> 2;                       // 16-wide group 4c + k
-        constexpr u32 M = 0x03000300u;
-        u32 h0, h1, h2, h3;                             // the high bits | 1024's exponent
-        if ((S & 1) == 0) {
-            h0 = lop_and_or<M>(hw, H2_1024); h1 = lop_and_or<M>(hw >> 2, H2_1024);
-            h2 = lop_and_or<M>(hw >> 4, H2_1024); h3 = lop_and_or<M>(hw >> 6, H2_1024);
-        } else {
-            h0 = lop_and_or<M>(hw << 8, H2_1024); h1 = lop_and_or<M>(hw << 6, H2_1024);
-            h2 = lop_and_or<M>(hw << 4, H2_1024); h3 = lop_and_or<M>(hw << 2, H2_1024);
-        }
-        a[0] = h2fma(lop_and_or<0x00F000F0u>(w << 4, h0), cs[k][0], bs[k][0]);
-        a[1] = h2fma(lop_and_or<0x00F000F0u>(w, h1), cs[k][1], bs[k][1]);
-        a[2] = h2fma(lop_and_or<0x00F000F0u>(w >> 4, h2), cs[k][0], bs[k][0]);
-        a[3] = h2fma(lop_and_or<0x00F000F0u>(w >> 8, h3), cs[k][1], bs[k][1]);
+        constexpr int P = S >> 1, R0 = 4 * (S & 1), k = S >> 2;     // 16-wide group 4c + k
+        a[0] = h2fma(code16<P, R0 + 0>(), cs[k][0], bs[k][0]);
+        a[1] = h2fma(code16<P, R0 + 1>(), cs[k][1], bs[k][1]);
+        a[2] = h2fma(code16<P, R0 + 2>(), cs[k][0], bs[k][0]);
+        a[3] = h2fma(code16<P, R0 + 3>(), cs[k][1], bs[k][1]);
     }
 };
 
@@ -363,10 +376,11 @@ template <> struct UnitOf<QT_F16> { typedef UnitF16 T; };
 __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z)); }
 
 // Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes). A
-// stage holds the row block's 4 units, then the T activation rows actually used (row stride
-// MM_B_ROW halves: bank spread), then their block sums (K-quants with mins); it is sized by T, so
-// a decode step (T = 1) stages no activation rows it does not use.
-#define MM_B_ROW 264                       // halves per staged activation row (256 + 8: bank spread)
+// stage holds the row block's 4 units, then the T activation rows actually used (one superblock of
+// the activation buffer: T x 256 halves, odd rows swizzled, tc_common.cuh act_index), then their
+// block sums (K-quants with mins); it is sized by T, so a decode step (T = 1) stages no activation
+// rows it does not use.
+#define MM_B_ROW 256                       // halves per staged activation row
 #define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
 #define MM_MAX_STAGES 3                    // H200, bench_mm_gpu.py: 3 stages beat 4 and 5 (by 2-7%) at T = 1
 template <int QT> struct MmGeom {
@@ -386,14 +400,16 @@ template <int QT> struct MmGeom {
 };
 
 // One pair of k-steps (2p, 2p+1) of the warp's tile; activations from the stage.
-// brow[nt]: the staged row behind MMA column g of tile nt (columns past T repeat the last row).
+// boff[nt][P & 1]: byte offset of this lane's 16 bytes of pair P (minus 64 P) in the staged row
+// behind MMA column g of tile nt (columns past T repeat the last row): odd rows hold pair P at
+// (P ^ 1) * 64 bytes (act_index), so even and odd P get their own offset, fixed per launch.
 template <typename U, int NT, int P>
-__device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const u16* sb_x, const int (&brow)[NT], int lane,
+__device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const unsigned char* sb_x, const int (&boff)[NT][2], int lane,
                                         float (&tm)[NT][4]) {
     const int c = lane & 3;
     uint4 bq[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + brow[nt] * MM_B_ROW + P * 32 + c * 8);
+    for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
     un.pair(ub, lane, P);
     u32 a[4];
     un.template frag<2 * P>(a);
@@ -439,7 +455,7 @@ __device__ __forceinline__ int stripe_owner(long long f, long long W, int G) { r
 // features lrb*32 .. +31): the next product's act16 and its 32-column block sums.
 #define MM_SROW 68                               // padded smem row of a row block's result
 __device__ __forceinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int T, int n_ff, int tid,
-                                                   u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
+                                                   u16* __restrict__ out16, u16* __restrict__ outxs) {
     constexpr int F = 32, GROUPS = F / 8;
     const int items = T * GROUPS;
     if (tid >= MM_THREADS) return;               // the issuer warp (the loop below has warp shuffles only)
@@ -460,16 +476,15 @@ __device__ __forceinline__ void mm_swiglu_epilogue(const float* sres, int lrb, i
                 sum += h2f(h1);
                 packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
             }
-            *(uint4*)(out16 + (size_t)tok * ld_out16 + act_pos(f0f)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            *(uint4*)(out16 + act_index(tok, f0f)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
         sum += shfl_xor(sum, 1);
         sum += shfl_xor(sum, 2);
         if (valid && (grp & 3) == 0 && f0f < n_ff && outxs != nullptr) {
             const u16 hi = f2h(sum);
             const u16 lo = f2h(sum - h2f(hi));
-            u16* xr = outxs + (size_t)tok * (ld_out16 / 16);
-            xr[xs_pos(f0f >> 5)] = hi;
-            xr[xs_pos(f0f >> 5) + 2] = lo;
+            outxs[xs_index(tok, f0f >> 5)] = hi;
+            outxs[xs_index(tok, f0f >> 5) + 2] = lo;
         }
     }
 }
@@ -479,7 +494,7 @@ __device__ __forceinline__ void mm_swiglu_epilogue(const float* sres, int lrb, i
 template <int NT, int MODE>
 __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], const MmSeg* s_segs, int seg, int lrb, int warp,
                                                  int lane, int T, float* sres, u16* __restrict__ out16,
-                                                 u16* __restrict__ outxs, int ld_out16) {
+                                                 u16* __restrict__ outxs) {
     const int g = lane >> 2, c = lane & 3;
     if (MODE != MODE_SWIGLU) {
         if (warp >= 4) return;                   // the issuer warp holds no tile
@@ -504,9 +519,9 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
                 const int tok = nt * 8 + 2 * c + (i & 1);
                 if (tok < T && warp < 4) sres[tok * MM_SROW + warp * 16 + g + 8 * (i >> 1)] = acc[nt][i];
             }
-        __syncthreads();
-        mm_swiglu_epilogue(sres, lrb, T, s_segs[0].n_rows, threadIdx.x, out16, outxs, ld_out16);
-        __syncthreads();
+        mm_sync<NT>();
+        mm_swiglu_epilogue(sres, lrb, T, s_segs[0].n_rows, threadIdx.x, out16, outxs);
+        mm_sync<NT>();
     }
 }
 
@@ -514,7 +529,7 @@ template <int QT, int NT, int MODE>
 __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
                                            const u16* __restrict__ xs, int n_sb, int T,
                                            float* __restrict__ ws, int* __restrict__ counters,
-                                           u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
+                                           u16* __restrict__ out16, u16* __restrict__ outxs) {
     typedef typename UnitOf<QT>::T U;
     typedef MmGeom<QT> G;
     constexpr int UNIT = G::UNIT;
@@ -529,6 +544,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int brow[NT];                                // MMA columns past T read the last real row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) brow[nt] = min(nt * 8 + g, n_rows_b - 1);
+    int boff[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int base = brow[nt] * (MM_B_ROW * 2) + c * 16, swz = 64 * (brow[nt] & 1);
+        boff[nt][0] = base + swz;
+        boff[nt][1] = base - swz;
+    }
 
     // This block's stripe of the flat (row block, superblock) space: the split depends on the
     // matrix and the grid only (never on T), so every row is summed in the same order whatever T.
@@ -541,20 +563,37 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int W = n_rb * n_sb;
     const int Gn = gridDim.x;
     const int f0 = (int)((long long)blockIdx.x * W / Gn), f1 = (int)((long long)(blockIdx.x + 1) * W / Gn);
-    const int ld_x = n_sb * 256, ld_xs = n_sb * 16;
 
     // Stage k holds flat superblock f: the row block's 4 units, the T activation rows, their block
     // sums. The issuer warp (MM_ISSUER) issues each stage as bulk copies completing on the stage's
-    // mbarrier (TMA on sm_90): lane 0 the units, lane r activation row r. Its cursor walks the
-    // stripe ahead of the computing warps by n_stages - 1 superblocks.
+    // "full" mbarrier (TMA on sm_90): lane 0 the units and the activation rows. Each computing
+    // warp releases a stage on its "empty" mbarrier as soon as it has read it; the issuer refills a
+    // stage once all four have, so up to n_stages superblocks are in flight and no block-wide
+    // barrier holds a warp behind the slowest one (a __syncthreads per stage was the largest stall
+    // reason in ncu).
+    constexpr int ISSUER = MM_ISSUER(NT);
+    constexpr bool SEPARATE = MM_SEPARATE_ISSUER(NT);
+    // Wider batches (warp 0 issues and computes): a block barrier per stage, the refill of the
+    // stage just left issued after it. H200, bench_mm_gpu.py: the empty-barrier pipeline is 2-7%
+    // slower on every T = 23 shape there (gate|up 61.3 against 59.6 us; 15-20% while warp 0 still
+    // issued one copy per activation row) while it gained 9% at T = 1 with the separate issuer.
+#ifndef MM_BARRIER_PIPE
+#define MM_BARRIER_PIPE 1
+#endif
+    constexpr bool BARRIER_PIPE = !SEPARATE && MM_BARRIER_PIPE;
     __shared__ MmSeg s_segs[4];
-    __shared__ __align__(8) unsigned long long s_bar[8];
+    __shared__ __align__(8) unsigned long long s_full[8];
+    __shared__ __align__(8) unsigned long long s_empty[8];
     if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
     if (tid == 0)
-        for (int k = 0; k < n_stages; ++k) mbar_init(&s_bar[k], 1);
+        for (int k = 0; k < n_stages; ++k) {
+            mbar_init(&s_full[k], 1);
+            mbar_init(&s_empty[k], 4);           // the four computing warps
+        }
     __syncthreads();
     const unsigned b_bytes = (unsigned)n_rows_b * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
+    int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
     auto issue_w = [&]() {                       // lane 0 of the issuer: arm the barrier, copy the units
         int tiles[4], ss[4];
@@ -565,36 +604,45 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             if (tiles[q] < s_segs[ss[q]].n_tiles) bytes += UNIT;
         }
         unsigned char* st = smem + i_k * STAGE;
-        mbar_expect(&s_bar[i_k], bytes);
+        mbar_expect(&s_full[i_k], bytes);
 #pragma unroll
         for (int q = 0; q < 4; ++q)
             if (tiles[q] < s_segs[ss[q]].n_tiles)
                 bulk_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + i_sb) * UNIT,
-                          UNIT, &s_bar[i_k]);
+                          UNIT, &s_full[i_k]);
     };
-    auto issue_x = [&](int k, int sb) {          // lane r < T of the issuer: activation row r and its sums
-        if (lane < n_rows_b) {
-            unsigned char* st = smem + k * STAGE;
-            bulk_copy(st + G::A_BYTES + lane * (MM_B_ROW * 2), x16 + (size_t)lane * ld_x + (size_t)sb * 256, 512u,
-                      &s_bar[k]);
-            if (U::HAS_MIN)
-                bulk_copy(st + XS_OFF + lane * 32, xs + (size_t)lane * ld_xs + (size_t)sb * 16, 32u, &s_bar[k]);
-        }
+    auto issue_x = [&](int k, int sb) {          // lane 0 of the issuer: superblock sb of the T rows, its sums
+        unsigned char* st = smem + k * STAGE;
+        bulk_copy(st + G::A_BYTES, x16 + (size_t)sb * (ACT_ROWS * 256), (unsigned)n_rows_b * 512u, &s_full[k]);
+        if (U::HAS_MIN)
+            bulk_copy(st + XS_OFF, xs + (size_t)sb * (ACT_ROWS * 16), (unsigned)n_rows_b * 32u, &s_full[k]);
     };
     auto advance = [&]() {
         ++i_f;
-        if (++i_k == n_stages) i_k = 0;
+        if (++i_k == n_stages) {
+            i_k = 0;
+            ++i_round;
+        }
         if (++i_sb == n_sb) {
             i_sb = 0;
             ++i_rb;
             rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
         }
     };
+    // The issuer warp's next stage (all its lanes): once the stage's previous superblock has been
+    // released by the computing warps (completion i_round - 1 of its empty barrier).
+    auto issue_next = [&]() {
+        if (!BARRIER_PIPE && i_round > 0) mbar_wait(&s_empty[i_k], (unsigned)(i_round - 1) & 1u);
+        if (lane == 0) {
+            issue_w();
+            issue_x(i_k, i_sb);
+        }
+        advance();
+    };
 
-    // Weights do not depend on the previous kernel: their first stages are requested before
+    // Weights do not depend on the previous kernel: the first stages' are requested before
     // waiting for it (programmatic dependent launch), the activations after.
-    const int n_pro = min(n_stages - 1, f1 - f0);
-    constexpr int ISSUER = MM_ISSUER(NT);
+    const int n_pro = min(BARRIER_PIPE ? n_stages - 1 : n_stages, f1 - f0);
     if (warp == ISSUER) {
         for (int k = 0; k < n_pro; ++k) {
             if (lane == 0) issue_w();
@@ -605,9 +653,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (warp == ISSUER) {
         int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
         for (int k = 0; k < n_pro; ++k) {
-            issue_x(k, sbk);
+            if (lane == 0) issue_x(k, sbk);
             if (++sbk == n_sb) sbk = 0;
         }
+    }
+    if (SEPARATE && warp == ISSUER) {            // the issuer warp's whole job; it joins no barrier
+        while (i_f < f1) issue_next();
+        return;
     }
 
     float acc[NT][4];
@@ -638,9 +690,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         const long long fa = (long long)rbx * n_sb;
         const int first = stripe_owner(fa, W, Gn), n_part = stripe_owner(fa + n_sb - 1, W, Gn) - first + 1;
         put_partial(rbx, a);
-        __syncthreads();
+        mm_sync<NT>();
         if (tid == 0) s_last[0] = atomic_add_acq_rel(&counters[rbx], 1) == n_part - 1;
-        __syncthreads();
+        mm_sync<NT>();
         if (!s_last[0]) return;
         int sgx, lrx;
         rb_locate<MODE>(s_segs, n_segs, rbx, sgx, lrx);
@@ -688,8 +740,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                     if (i < n_el) sres[(i / ROWS) * SROW + (i % ROWS)] = v[e];
                 }
             }
-            __syncthreads();
-            mm_swiglu_epilogue(sres, lrx, T, s_segs[0].n_rows, tid, out16, outxs, ld_out16);
+            mm_sync<NT>();
+            mm_swiglu_epilogue(sres, lrx, T, s_segs[0].n_rows, tid, out16, outxs);
         } else if (tid < MM_THREADS) {
             const MmSeg& sg = s_segs[sgx];
             float* y = (float*)sg.y;
@@ -706,7 +758,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             }
         }
         if (tid == 0) counters[rbx] = 0;
-        __syncthreads();                         // sres and s_last are reused
+        mm_sync<NT>();                           // sres and s_last are reused
     };
     auto next_sb = [&]() {
         if (++k == n_stages) { k = 0; phase ^= 1u; }
@@ -722,17 +774,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
         }
-        __syncthreads();                         // everyone is done with the stage refilled below
-        if (warp == ISSUER && i_f < f1) {
-            if (lane == 0) issue_w();
-            warp_sync();
-            issue_x(i_k, i_sb);
-            advance();
+        // Warp 0 as the issuer refills the stage of superblock f - 1 (never f's own: it would wait
+        // on itself) once every warp has released it.
+        if (BARRIER_PIPE) {
+            __syncthreads();                     // everyone is done with the stage refilled below
+            if (warp == ISSUER && i_f < f1) issue_next();
+        } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
+            issue_next();
         }
-#ifndef TC_BULK_ASYNC
-        __syncthreads();                         // synchronous copies: warp 0's must be visible
-#endif
-        mbar_wait(&s_bar[k], phase);             // this superblock has landed
+        mbar_wait(&s_full[k], phase);            // this superblock has landed
         const unsigned char* st = smem + k * STAGE;
 #ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
         if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
@@ -741,20 +791,20 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             const unsigned char* us = st + warp * UNIT;
             U un;
             un.load(us, lane);
-            const u16* sb_x = (const u16*)(st + G::A_BYTES);
+            const unsigned char* sb_x = st + G::A_BYTES;
             float tm[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
-            mm_pair<U, NT, 0>(un, us, sb_x, brow, lane, tm);
-            mm_pair<U, NT, 1>(un, us, sb_x, brow, lane, tm);
-            mm_pair<U, NT, 2>(un, us, sb_x, brow, lane, tm);
-            mm_pair<U, NT, 3>(un, us, sb_x, brow, lane, tm);
-            mm_pair<U, NT, 4>(un, us, sb_x, brow, lane, tm);
-            mm_pair<U, NT, 5>(un, us, sb_x, brow, lane, tm);
-            mm_pair<U, NT, 6>(un, us, sb_x, brow, lane, tm);
-            mm_pair<U, NT, 7>(un, us, sb_x, brow, lane, tm);
+            mm_pair<U, NT, 0>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 1>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 2>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 3>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 4>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 5>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 6>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 7>(un, us, sb_x, boff, lane, tm);
             if (U::HAS_MIN) {
                 const u16* sxs = (const u16*)(st + XS_OFF);
                 const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
@@ -779,6 +829,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             }
         }
 #endif
+        warp_sync();                             // every lane's reads of the stage are done
+        if (lane == 0) mbar_arrive(&s_empty[k]);
         if (sb != n_sb - 1 && f != f1 - 1) continue;
 #ifdef MM_NO_EXCHANGE     // benchmarks: no epilogue (the result only kept alive)
         if (acc[0][0] == 1234.5f) ws[tid] = acc[NT - 1][3];
@@ -795,7 +847,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             exchange(rb, acc);
 #endif
         } else {
-            mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs, ld_out16);
+            mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs);
         }
     }
 
@@ -812,8 +864,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 extern "C" __global__ void __launch_bounds__(MM_BLOCK_THREADS(MM_NT), 4)
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
       int n_sb, int T, float* __restrict__ ws, int* __restrict__ counters,
-      u16* __restrict__ out16, u16* __restrict__ outxs, int ld_out16) {
-    mm_tc_impl<MM_QT, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, ld_out16);
+      u16* __restrict__ out16, u16* __restrict__ outxs) {
+    mm_tc_impl<MM_QT, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs);
 }
 #else
 // ---------------------------------------------------------------------------------------------
@@ -960,23 +1012,20 @@ extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u3
                                        int row_bytes, int n_sb, long long n_words) {
     repack_units<3360>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
-        if (o < 2048) {
-            v = nibble_word(o, [&](int row16, int col) { return q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col); });
-        } else if (o < 3072) {
-            const int o2 = o - 2048;
-            const int i = o2 / 512, lane = (o2 % 512) / 16, wq = (o2 % 16) / 4, m = 4 * i + wq;
+        if (o < 3072) {
+            // word j = 3p + i of lane `lane` (UnitQ6K): codes of pair p's registers R = i, 3 + i, and
+            // the split codes of R6 / R7
+            const int j = 4 * (o / 512) + (o % 16) / 4, lane = (o % 512) / 16, p = j / 3, i = j % 3;
+            auto code = [&](int R, int hf) {
+                int row16, col;
+                elem_of(lane, 2 * p + (R >> 2), R & 3, hf, row16, col);
+                return q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col);
+            };
 #pragma unroll
-            for (int odd = 0; odd < 2; ++odd) {
-                const int s = 2 * m + odd;
-#pragma unroll
-                for (int r = 0; r < 4; ++r)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        int row16, col;
-                        elem_of(lane, s, r, hf, row16, col);
-                        const u32 hb = q6_code(raw, row_bytes, n_rows, tile * 16 + row16, sb, col) >> 4;
-                        v |= hb << ((odd ? 0 : 8) + 2 * r + 16 * hf);
-                    }
+            for (int hf = 0; hf < 2; ++hf) {
+                const u32 c6 = code(6, hf), c7 = code(7, hf);
+                const u32 low = i == 0 ? (c6 & 15u) : (i == 2 ? (c7 & 15u) : ((c6 >> 4) | ((c7 >> 4) << 2)));
+                v |= (low | (code(i, hf) << 4) | (code(3 + i, hf) << 10)) << (16 * hf);
             }
         } else if (o < 3328) {
             const int rr = (o - 3072) / 16, b4 = (o - 3072) % 16;

@@ -134,51 +134,105 @@ __device__ __forceinline__ void warp_sync() { __builtin_amdgcn_wave_barrier(); }
 __device__ __forceinline__ void warp_sync() { __syncwarp(); }
 #endif
 
-// Bulk copies (sm_90 TMA, one instruction per contiguous run of bytes) completing on an mbarrier.
-// One thread arms the barrier with the byte count and issues the copies; every thread waits on the
-// barrier's phase. Elsewhere (HIP, pre-Hopper, the emulator) the copy is synchronous, done by the
-// issuing thread; the caller then needs a __syncthreads before reading (tc_bulk_sync says so).
+// Bulk copies completing on mbarriers (sm_90: TMA, one instruction per contiguous run of bytes).
+// A barrier completes a phase when `count` arrivals have happened and every byte announced by
+// mbar_expect (itself one arrival) has landed; mbar_wait(bar, p) returns once the phase of parity p
+// has completed. The matmul's pipeline uses a "full" barrier per stage (the issuer's expect, the
+// copies' bytes) and an "empty" one (one arrival per computing warp once it is done reading).
+// Without TMA (HIP, pre-Hopper) the same protocol runs as a software barrier: one 64-bit word in
+// shared memory [phase:1][count:15][pending arrivals:16][bytes still due:32], updated atomically,
+// the copy done synchronously by the issuing thread; the emulator provides its own (emu_runtime.h).
 #if !defined(DFLASH_EMU)
 #if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define TC_HAVE_TMA 1
 #endif
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
 #ifdef TC_HAVE_TMA
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
 }
 __device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
-#ifdef TC_HAVE_TMA
     const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
-#endif
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {     // release: this thread's reads are done
+    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
 }
 // n bytes (a multiple of 16, 16-byte aligned both sides) global -> shared, completing on bar.
 __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
-#ifdef TC_HAVE_TMA
     const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
     const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(d), "l"(gmem), "r"(n), "r"(b) : "memory");
-#else
-    for (unsigned i = 0; i < n; i += 16) *(uint4*)((char*)smem + i) = *(const uint4*)((const char*)gmem + i);
-#endif
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-#ifdef TC_HAVE_TMA
     const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
     unsigned done = 0;
     do {
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
                      : "=r"(done) : "r"(a), "r"(parity) : "memory");
     } while (!done);
-#endif
 }
-#ifdef TC_HAVE_TMA
-#define TC_BULK_ASYNC 1
+#else     // software mbarrier (untested on ROCm hardware: no AMD machine here)
+#define TC_MB_ARRIVAL (1ull << 32)
+#if defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ unsigned long long tc_mb_add(unsigned long long* p, unsigned long long v) {
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_WORKGROUP) + v;
+}
+__device__ __forceinline__ unsigned long long tc_mb_load(unsigned long long* p) {
+    return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_WORKGROUP);
+}
+#else
+__device__ __forceinline__ unsigned long long tc_mb_add(unsigned long long* p, unsigned long long v) {
+    __threadfence_block();
+    const unsigned long long r = atomicAdd(p, v) + v;
+    __threadfence_block();
+    return r;
+}
+__device__ __forceinline__ unsigned long long tc_mb_load(unsigned long long* p) {
+    const unsigned long long r = *(volatile unsigned long long*)p;
+    __threadfence_block();
+    return r;
+}
 #endif
+// After an update that left no arrival pending and no byte due, the updating thread opens the
+// next phase (no other update of this phase can follow: the next one starts after its waiters).
+__device__ __forceinline__ void tc_mb_settle(unsigned long long* bar, unsigned long long st) {
+    if ((unsigned)st == 0u && ((st >> 32) & 0xffffu) == 0u)
+        tc_mb_add(bar, (1ull << 63) + (((st >> 48) & 0x7fffu) << 32));
+}
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    *(volatile unsigned long long*)bar = ((unsigned long long)count << 48) | ((unsigned long long)count << 32);
+    __threadfence_block();
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+    tc_mb_add(bar, (unsigned long long)bytes);
+    tc_mb_settle(bar, tc_mb_add(bar, 0ull - TC_MB_ARRIVAL));
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { tc_mb_settle(bar, tc_mb_add(bar, 0ull - TC_MB_ARRIVAL)); }
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
+    for (unsigned i = 0; i < n; i += 16) *(uint4*)((char*)smem + i) = *(const uint4*)((const char*)gmem + i);
+    tc_mb_settle(bar, tc_mb_add(bar, 0ull - (unsigned long long)n));
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    while ((unsigned)(tc_mb_load(bar) >> 63) == parity) {
+    }
+}
+#endif
+#endif
+
+// The computing warps of a block with a separate issuer warp meet at a named barrier of their own
+// (the issuer runs ahead in its own loop and never reaches it).
+#if defined(DFLASH_EMU)
+inline void compute_warps_sync(int n_threads) { emu_named_sync(1, (unsigned)n_threads); }
+#elif defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ void compute_warps_sync(int) { __syncthreads(); }    // HIP: no issuer warp
+#else
+__device__ __forceinline__ void compute_warps_sync(int n_threads) {
+    asm volatile("bar.sync 1, %0;" ::"r"(n_threads) : "memory");
+}
 #endif
 
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
@@ -278,3 +332,17 @@ __device__ __forceinline__ int act_pos(int n) {
 // eight 32-column blocks (hi + lo = the f32 sum, two f16 terms). Returns the index of hi(j); lo(j)
 // is 2 further.
 __device__ __forceinline__ int xs_pos(int j) { return (j >> 3) * 16 + ((j & 7) >> 1) * 4 + (j & 1); }
+
+// Activation buffers (kernels/fused_gpu.py ActBuffer) hold ACT_ROWS rows superblock-major: x16
+// [n_sb][ACT_ROWS][256] and xs [n_sb][ACT_ROWS][16], so the T rows of one superblock are T * 512
+// contiguous bytes that the matmul stages with one bulk copy (row-major, a 23-row verify issued
+// 46 copies a stage from one warp, each a loop over the lanes that issue it). Odd rows swap the
+// 64-byte halves of every 128 bytes (stored position ^ 32): the two rows a quarter-warp's 16-byte
+// B loads read then fall on different banks although the staged rows are 512 bytes apart.
+#define ACT_ROWS 32
+__device__ __forceinline__ size_t act_index(int t, int n) {
+    return (size_t)(n >> 8) * (ACT_ROWS * 256) + (size_t)t * 256 + ((act_pos(n) & 255) ^ (32 * (t & 1)));
+}
+__device__ __forceinline__ size_t xs_index(int t, int j) {
+    return (size_t)(j >> 3) * (ACT_ROWS * 16) + (size_t)t * 16 + (xs_pos(j) & 15);
+}

@@ -68,8 +68,7 @@ def _act(fg, x, K):
     xp = fg.xp
     act = ActBuffer(xp, K)
     x16, xs = fused_ref.act_layout(x, act.ld16)
-    act.x16[:x.shape[0]] = xp.array(x16)
-    act.xs[:x.shape[0]] = xp.array(xs)
+    act.write_rows(x16, xs)
     return act, fused_ref.act_values(x16, K)
 
 
@@ -201,12 +200,13 @@ def test_mm_swiglu_epilogue_writes_next_input(dev, qtype):
         ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
         fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, MODE_SWIGLU, ws, out_act=out)()
         h = fused_ref.swiglu_ref(fused_ref.mm_ref(xr, rg, qtype, n_in), fused_ref.mm_ref(xr, ru, qtype, n_in))
-        got = fused_ref.act_values(_h(xp, out.x16)[:T], n_ff)
+        o16, oxs = out.read_rows(T)
+        got = fused_ref.act_values(o16, n_ff)
         assert _rel(got, h) <= (2e-3 if qtype in (QT_Q6_K, QT_IQ4_XS) else 1e-3)
         # the block sums are the sums of the rounded values the rows hold
         _, xs_exp = fused_ref.act_layout(got, out.ld16)
         hs = lambda a: a.view(np.float16).astype(np.float32)   # noqa: E731
-        assert _rel(hs(_h(xp, out.xs)[:T]), hs(xs_exp)) <= 1e-6
+        assert _rel(hs(oxs), hs(xs_exp)) <= 1e-6
 
 
 def test_prep_rows_layout_and_norm(dev):
@@ -221,10 +221,11 @@ def test_prep_rows_layout_and_norm(dev):
         act = ActBuffer(xp, K)
         fg.op_prep_rows("p", xd, K, 2, None, 0.0, K, False, act, T)()      # rows 2..4, no norm: a format
         e16, exs = fused_ref.act_layout(x[2:])
-        assert np.array_equal(_h(xp, act.x16)[:T, :e16.shape[1]], e16)
-        assert np.array_equal(_h(xp, act.xs)[:T, :exs.shape[1]], exs)
+        g16, gxs = act.read_rows(T)
+        assert np.array_equal(g16[:, :e16.shape[1]], e16)
+        assert np.array_equal(gxs[:, :exs.shape[1]], exs)
         fg.op_prep_rows("p", xd, K, 0, wd, 1e-6, K, True, act, T)()
-        got = fused_ref.act_values(_h(xp, act.x16)[:T], K)
+        got = fused_ref.act_values(act.read_rows(T)[0], K)
         ref = fused_ref.prep_rows_ref(x[:T], w, 1e-6, True)
         assert _rel(got, ref) <= 1e-3      # f16 rounding of the normed values
 
@@ -323,7 +324,7 @@ def test_deltanet_gated_norm_prep(dev):
     w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
     act = ActBuffer(xp, nv * dv)
     fg.op_gdn_out_prep("g", xp.array(o), xp.array(z), nv * dv, xp.array(w), 1e-6, nv, dv, act, T)()
-    got = fused_ref.act_values(_h(xp, act.x16)[:T], nv * dv)
+    got = fused_ref.act_values(act.read_rows(T)[0], nv * dv)
     assert _rel(got, fused_ref.gdn_out_ref(o, z, w, 1e-6, nv, dv)) <= 1e-3
 
 
@@ -357,7 +358,7 @@ def test_attention_kernels(dev, n_past):
     assert _rel(_h(xp, kc), kc_ref) <= 1e-5 and _rel(_h(xp, vc), vc_ref) == 0.0
     fg.op_attn_partial("p", qrot, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T)()
     fg.op_attn_combine_prep("c", part_o, part_ml, qgd, H, D, act, T)()
-    got = fused_ref.act_values(_h(xp, act.x16)[:T], H * D)
+    got = fused_ref.act_values(act.read_rows(T)[0], H * D)
     assert _rel(got, ref) <= 1e-3
 
 

@@ -187,8 +187,8 @@ class EmuDevice:
                         body.append(
                             f'extern "C" __global__ void {sym}(const MmSeg* segs, int n_segs, const u16* x16, '
                             f'const u16* xs, int n_sb, int T, float* ws, int* counters, u16* out16, '
-                            f'u16* outxs, int ld_out16) {{ mm_tc_impl<{qt}, {nt}, {mode}>(segs, n_segs, x16, '
-                            f'xs, n_sb, T, ws, counters, out16, outxs, ld_out16); }}')
+                            f'u16* outxs) {{ mm_tc_impl<{qt}, {nt}, {mode}>(segs, n_segs, x16, '
+                            f'xs, n_sb, T, ws, counters, out16, outxs); }}')
                 names = _kernel_names(_preprocess("\n".join(body)))
                 body += [f"EMU_EXPORT({n})" for n in names]
                 path = _build(source.replace(".", "_"), "\n".join(body))

@@ -56,7 +56,7 @@ emu_switch:
 namespace {
 constexpr size_t kStack = 256 * 1024;
 
-enum class Wait { none, block, warp, done };
+enum class Wait { none, spin, block, named, warp, done };
 
 struct Fiber {
     ucontext_t ctx;
@@ -99,6 +99,17 @@ void fiber_entry() {
 
 void emu_syncthreads() { yield_with(Wait::block); }
 void emu_warp_sync() { yield_with(Wait::warp); }
+// One named barrier in use at a time per block (the kernels use id 1 only).
+static unsigned g_named_threads = 0;
+void emu_named_sync(unsigned, unsigned n_threads) {
+    g_named_threads = n_threads;
+    yield_with(Wait::named);
+}
+void emu_spin() { yield_with(Wait::spin); }
+void emu_fail(const char* what) {
+    std::fprintf(stderr, "emu: block (%u,%u,%u) thread %u: %s\n", blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, what);
+    std::abort();
+}
 unsigned int* emu_warp_slots() { return g_block->slots.data() + (size_t)(threadIdx.x >> 5) * 32 * 8; }
 void* emu_dyn_smem() { return g_block->dyn.data(); }
 
@@ -127,10 +138,12 @@ static void run_block(Block& blk, unsigned n_threads) {
         }
         if (ran) continue;
         // nobody runnable: open the barriers whose scope is complete
-        unsigned n_done = 0, n_block = 0;
+        unsigned n_done = 0, n_block = 0, n_named = 0, n_spin = 0;
         for (auto& f : blk.fibers) {
             n_done += f.wait == Wait::done;
             n_block += f.wait == Wait::block;
+            n_named += f.wait == Wait::named;
+            n_spin += f.wait == Wait::spin;
         }
         if (n_done == n_threads) return;
         bool released = false;
@@ -150,6 +163,16 @@ static void run_block(Block& blk, unsigned n_threads) {
         if (!released && n_block > 0 && n_block + n_done == n_threads) {
             for (auto& f : blk.fibers)
                 if (f.wait == Wait::block) f.wait = Wait::none;
+            released = true;
+        }
+        if (!released && n_named > 0 && n_named == g_named_threads) {
+            for (auto& f : blk.fibers)
+                if (f.wait == Wait::named) f.wait = Wait::none;
+            released = true;
+        }
+        if (!released && n_spin > 0) {           // mbarrier waiters look again (emu_runtime.h bounds it)
+            for (auto& f : blk.fibers)
+                if (f.wait == Wait::spin) f.wait = Wait::none;
             released = true;
         }
         if (!released) {

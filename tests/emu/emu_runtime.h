@@ -49,6 +49,9 @@ using std::max;
 
 void emu_syncthreads();
 void emu_warp_sync();
+void emu_named_sync(unsigned id, unsigned n_threads);   // bar.sync id, n_threads
+void emu_spin();                                         // a waiting thread lets the others run
+[[noreturn]] void emu_fail(const char* what);
 unsigned int* emu_warp_slots();   // [32][8] words of the calling thread's warp
 void* emu_dyn_smem();
 
@@ -144,10 +147,48 @@ inline float __shfl_down_sync(unsigned, float v, int off) {
 
 inline float ldcg_f32(const float* p) { return *(volatile const float*)p; }
 inline void grid_dependency_wait() {}
-inline void mbar_init(unsigned long long*, unsigned) {}
-inline void mbar_expect(unsigned long long*, unsigned) {}
-inline void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long*) { std::memcpy(smem, gmem, n); }
-inline void mbar_wait(unsigned long long*, unsigned) {}
+// mbarriers with the hardware's protocol (tc_common.cuh): a phase completes when `count` arrivals
+// have happened and no announced byte is still due; bulk copies land at once (a memcpy by the
+// issuing thread, counted off the barrier). A waiter yields to the block's other threads until
+// its phase completes, so a pipeline that reuses a stage before its readers released it reads
+// the wrong data here as on the GPU.
+struct EmuMbar { unsigned short pending, count_phase; int tx; };   // count_phase: count | phase << 15
+static_assert(sizeof(EmuMbar) == 8, "an mbarrier is one 64-bit word");
+inline EmuMbar* emu_mbar(unsigned long long* bar) { return (EmuMbar*)bar; }
+inline unsigned emu_mbar_phase(const EmuMbar* b) { return b->count_phase >> 15; }
+inline void emu_mbar_settle(EmuMbar* b) {
+    if (b->pending == 0 && b->tx == 0) {
+        b->count_phase ^= 0x8000u;
+        b->pending = b->count_phase & 0x7fffu;
+    }
+}
+inline void mbar_init(unsigned long long* bar, unsigned count) {
+    EmuMbar* b = emu_mbar(bar);
+    b->pending = b->count_phase = (unsigned short)count;
+    b->tx = 0;
+}
+inline void mbar_arrive(unsigned long long* bar) {
+    EmuMbar* b = emu_mbar(bar);
+    if (b->pending == 0) emu_fail("mbarrier: more arrivals than its count in one phase");
+    --b->pending;
+    emu_mbar_settle(b);
+}
+inline void mbar_expect(unsigned long long* bar, unsigned bytes) {
+    emu_mbar(bar)->tx += (int)bytes;
+    mbar_arrive(bar);
+}
+inline void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
+    std::memcpy(smem, gmem, n);
+    EmuMbar* b = emu_mbar(bar);
+    b->tx -= (int)n;
+    emu_mbar_settle(b);
+}
+inline void mbar_wait(unsigned long long* bar, unsigned parity) {
+    for (long spins = 0; emu_mbar_phase(emu_mbar(bar)) == parity; ++spins) {
+        if (spins > 20000000L) emu_fail("mbarrier wait never completes (deadlock)");
+        emu_spin();
+    }
+}
 inline void trigger_dependents() {}
 
 // The m16n8k16 MMA from the documented fragment layout (tc_common.cuh), sums in double.
