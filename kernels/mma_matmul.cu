@@ -683,53 +683,57 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                 if (tok < T) part[tok * ROWS + warp * 16 + g + 8 * (i >> 1)] = a[nt][i];
             }
     };
-    // A cut row block: store this stripe's partial; the last of its stripes to arrive adds all of
-    // them in stripe order (deterministic, whatever T) and runs the epilogue. Every thread calls it.
-    auto exchange = [&](int rbx, const float (&a)[NT][4]) {
-        const int n_el = T * ROWS;
+    // A cut row block: each of its stripes stores its partial and counts its arrival; the last to
+    // arrive adds all of them in stripe order (deterministic, whatever T) and runs the epilogue.
+    auto parts_of = [&](int rbx, int& first, int& n_part) {
         const long long fa = (long long)rbx * n_sb;
-        const int first = stripe_owner(fa, W, Gn), n_part = stripe_owner(fa + n_sb - 1, W, Gn) - first + 1;
-        put_partial(rbx, a);
-        mm_sync<NT>();
-        if (tid == 0) s_last[0] = atomic_add_acq_rel(&counters[rbx], 1) == n_part - 1;
-        mm_sync<NT>();
-        if (!s_last[0]) return;
+        first = stripe_owner(fa, W, Gn);
+        n_part = stripe_owner(fa + n_sb - 1, W, Gn) - first + 1;
+    };
+    // The last part of a cut row block to arrive sums all parts' partials from the workspace (its
+    // own included) and runs the epilogue; every computing thread calls it, after an acquire.
+    auto finish = [&](int rbx) {
+        const int n_el = T * ROWS;
+        int first, n_part;
+        parts_of(rbx, first, n_part);
         int sgx, lrx;
         rb_locate<MODE>(s_segs, n_segs, rbx, sgx, lrx);
         // Each computing thread sums elements tid + MM_THREADS * e of all partials, walking the
-        // partials in stripe order two at a time: every round has 2 * EPT independent loads in
-        // flight (element by element, a 23-row launch waited on ~24 rounds of L2 latency here).
-        // Every element is still 0 + p_first + p_first+1 + ... in that order, whatever T.
+        // partials in stripe order R at a time with every load of a round in flight (one round for
+        // the <= 8 parts of a decode launch; element by element, a 23-row launch waited on ~24
+        // rounds of L2 latency here). Every element is still 0 + p_first + p_first+1 + ... in that
+        // order, whatever T. The residual (ADD) is requested before the partials.
         constexpr int EPT = NT * 8 * ROWS / MM_THREADS;
-        float v[EPT];
+        constexpr int R = NT == 1 ? 8 : (NT == 2 ? 4 : 2);
+        const MmSeg& sg = s_segs[sgx];
+        float* y = (float*)sg.y;
+        float v[EPT], old[EPT];
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) v[e] = 0.0f;
+        for (int e = 0; e < EPT; ++e) {
+            const int i = tid + MM_THREADS * e, row = lrx * ROWS + i % ROWS;
+            v[e] = 0.0f;
+            old[e] = (MODE == MODE_ADD && tid < MM_THREADS && i < n_el && row < sg.n_rows)
+                         ? y[(size_t)(i / ROWS) * sg.ldy + row] : 0.0f;
+        }
         if (tid < MM_THREADS) {
             const int end = first + n_part;
-            int p = first;
-            for (; p + 2 <= end; p += 2) {
-                const float* b0 = ws + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el;
-                const float* b1 = ws + (size_t)(p + 1) * 2 * (size_t)n_el;     // never the first part
-                float l0[EPT], l1[EPT];
+            for (int p0 = first; p0 < end; p0 += R) {
+                float l[R][EPT];
 #pragma unroll
-                for (int e = 0; e < EPT; ++e) {
-                    const int i = tid + MM_THREADS * e;
-                    l0[e] = i < n_el ? ldcg_f32(b0 + i) : 0.0f;
-                    l1[e] = i < n_el ? ldcg_f32(b1 + i) : 0.0f;
+                for (int r = 0; r < R; ++r) {
+                    const int p = p0 + r;
+                    const float* b = ws + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el;
+#pragma unroll
+                    for (int e = 0; e < EPT; ++e) {
+                        const int i = tid + MM_THREADS * e;
+                        l[r][e] = (p < end && i < n_el) ? ldcg_f32(b + i) : 0.0f;
+                    }
                 }
 #pragma unroll
-                for (int e = 0; e < EPT; ++e) {
-                    v[e] += l0[e];
-                    v[e] += l1[e];
-                }
-            }
-            if (p < end) {
-                const float* b0 = ws + ((size_t)p * 2 + (p == first ? 1 : 0)) * (size_t)n_el;
+                for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int e = 0; e < EPT; ++e) {
-                    const int i = tid + MM_THREADS * e;
-                    v[e] += i < n_el ? ldcg_f32(b0 + i) : 0.0f;
-                }
+                    for (int e = 0; e < EPT; ++e)
+                        if (p0 + r < end) v[e] += l[r][e];
             }
         }
         if (MODE == MODE_SWIGLU) {
@@ -743,14 +747,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             mm_sync<NT>();
             mm_swiglu_epilogue(sres, lrx, T, s_segs[0].n_rows, tid, out16, outxs);
         } else if (tid < MM_THREADS) {
-            const MmSeg& sg = s_segs[sgx];
-            float* y = (float*)sg.y;
-            float old[EPT];
-#pragma unroll
-            for (int e = 0; e < EPT; ++e) {      // the residual's loads all in flight too
-                const int i = tid + MM_THREADS * e, row = lrx * ROWS + i % ROWS;
-                old[e] = (MODE == MODE_ADD && i < n_el && row < sg.n_rows) ? y[(size_t)(i / ROWS) * sg.ldy + row] : 0.0f;
-            }
 #pragma unroll
             for (int e = 0; e < EPT; ++e) {
                 const int i = tid + MM_THREADS * e, row = lrx * ROWS + i % ROWS;
@@ -758,7 +754,45 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             }
         }
         if (tid == 0) counters[rbx] = 0;
-        mm_sync<NT>();                           // sres and s_last are reused
+        mm_sync<NT>();                           // sres is reused
+    };
+    // The stripe's first row block, cut by the previous stripe, is done early in the loop: its
+    // partial is stored and its arrival counted with release semantics only, so no warp waits for
+    // the count here (an acquire-release arrival and a barrier after it stalled the whole block
+    // for an L2 round trip mid-stripe). The previous stripe reaches that row block at its end, so
+    // it is nearly always the last part and sums; when the head is last after all, the block
+    // finds out at its own end (head_old) and sums then.
+    int head_rb = -1, head_old = 0;
+    auto arrive_head = [&](int rbx, const float (&a)[NT][4]) {
+        put_partial(rbx, a);
+        mm_sync<NT>();                           // every thread's partial before thread 0's release
+        if (tid == 0) head_old = atomic_add_release(&counters[rbx], 1);
+        head_rb = rbx;
+    };
+    // At the stripe's end: the tail row block's arrival (acquire-release), then whichever of the
+    // two this block was last for.
+    auto finish_cuts = [&](int tail, const float (&a)[NT][4]) {
+        if (tail >= 0) put_partial(tail, a);
+        mm_sync<NT>();
+        if (tid == 0) {
+            int first, n_part;
+            bool head_last = false, tail_last = false;
+            if (head_rb >= 0) {
+                parts_of(head_rb, first, n_part);
+                head_last = head_old == n_part - 1;
+            }
+            if (tail >= 0) {
+                parts_of(tail, first, n_part);
+                tail_last = atomic_add_acq_rel(&counters[tail], 1) == n_part - 1;
+            }
+            if (head_last) fence_acq_rel();
+            s_last[0] = head_last;
+            s_last[1] = tail_last;
+        }
+        mm_sync<NT>();
+        const bool head_last = s_last[0], tail_last = s_last[1];
+        if (head_last) finish(head_rb);
+        if (tail_last) finish(tail);
     };
     auto next_sb = [&]() {
         if (++k == n_stages) { k = 0; phase ^= 1u; }
@@ -844,7 +878,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             tail_rb = rb;                        // the stripe's last superblock: exchanged after the loop
         } else if (is_head) {
 #ifndef MM_NO_EXCHANGE
-            exchange(rb, acc);
+            arrive_head(rb, acc);
 #endif
         } else {
             mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs);
@@ -852,7 +886,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     }
 
 #ifndef MM_NO_EXCHANGE
-    if (tail_rb >= 0) exchange(tail_rb, acc);
+    if (tail_rb >= 0 || head_rb >= 0) finish_cuts(tail_rb, acc);
 #endif
     // Only now may the next kernel launch: triggered at the start (its blocks then wait resident
     // beside this grid's), the 27B decode step ran 0.5 ms slower.

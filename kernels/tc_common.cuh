@@ -123,6 +123,25 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
     return old;
 }
 #endif
+// The same arrival with release semantics only: the thread does not wait for the old count (no
+// acquire fence after it) until it reads the result; a reader of the others' data then issues
+// fence_acq_rel first.
+#if defined(DFLASH_EMU)
+inline int atomic_add_release(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release); }
+inline void fence_acq_rel() { std::atomic_thread_fence(std::memory_order_acq_rel); }
+#elif defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ int atomic_add_release(int* p, int v) {
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+}
+__device__ __forceinline__ void fence_acq_rel() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+#else
+__device__ __forceinline__ int atomic_add_release(int* p, int v) {
+    int old;
+    asm volatile("atom.release.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+#endif
 
 // Every lane of the warp reaches this point before any goes on (lanes that issue copies after
 // lane 0 armed the barrier).
