@@ -1,0 +1,37 @@
+"""An upper bound for the matmul epilogues: `dflashd bench` on the 27B shape with every mm_tc launch
+(or only the residual-add ones) compiled with MM_NO_EXCHANGE, i.e. without its epilogue and the
+exchange of cut row blocks. The results are wrong; only the timing means something, and only at
+T <= 8 (wider, the compiler drops the MMAs of tiles whose sums no longer reach memory).
+
+    python3 tests/bench/bench_epilogue_bound.py all|add [--synthetic-path /tmp/qwen35-27b-q4km.gguf]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import kernels.fused_gpu as fused_gpu     # noqa: E402
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("all", "add"):
+        sys.exit(__doc__)
+    which = sys.argv[1]
+    path = sys.argv[sys.argv.index("--synthetic-path") + 1] if "--synthetic-path" in sys.argv else "/tmp/qwen35-27b-q4km.gguf"
+    op_mm = fused_gpu.FusedGpu.op_mm
+
+    def without_epilogue(self, label, segs, act, T, mode, ws, out_act=None, variant=()):
+        if which == "all" or mode == fused_gpu.MODE_ADD:
+            variant = tuple(variant) + ("MM_NO_EXCHANGE=1",)
+        return op_mm(self, label, segs, act, T, mode, ws, out_act=out_act, variant=variant)
+
+    fused_gpu.FusedGpu.op_mm = without_epilogue
+    from daemons.cli import main as cli_main
+    sys.argv = ["dflashd", "bench", "--synthetic", "qwen35-27b-q4km", "--device", "cuda:0", "--synthetic-path", path]
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()
