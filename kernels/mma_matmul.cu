@@ -566,7 +566,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 
     // Stage k holds flat superblock f: the row block's 4 units, the T activation rows, their block
     // sums. The issuer warp (MM_ISSUER) issues each stage as bulk copies completing on the stage's
-    // "full" mbarrier (TMA on sm_90): lane 0 the units and the activation rows. Each computing
+    // "full" mbarrier (TMA on sm_90: lane 0 issues the units and the activation rows; without TMA
+    // the warp copies them itself, tc_common.cuh stage_copy). Each computing
     // warp releases a stage on its "empty" mbarrier as soon as it has read it; the issuer refills a
     // stage once all four have, so up to n_stages superblocks are in flight and no block-wide
     // barrier holds a warp behind the slowest one (a __syncthreads per stage was the largest stall
@@ -595,7 +596,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
-    auto issue_w = [&]() {                       // lane 0 of the issuer: arm the barrier, copy the units
+    auto issue_w = [&]() {                       // the issuer warp: lane 0 arms the barrier, the units
         int tiles[4], ss[4];
         unsigned bytes = b_bytes;
 #pragma unroll
@@ -604,18 +605,19 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             if (tiles[q] < s_segs[ss[q]].n_tiles) bytes += UNIT;
         }
         unsigned char* st = smem + i_k * STAGE;
-        mbar_expect(&s_full[i_k], bytes);
+        if (lane == 0) mbar_expect(&s_full[i_k], bytes);
+        warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
         for (int q = 0; q < 4; ++q)
             if (tiles[q] < s_segs[ss[q]].n_tiles)
-                bulk_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + i_sb) * UNIT,
-                          UNIT, &s_full[i_k]);
+                stage_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + i_sb) * UNIT,
+                           UNIT, &s_full[i_k], lane);
     };
-    auto issue_x = [&](int k, int sb) {          // lane 0 of the issuer: superblock sb of the T rows, its sums
+    auto issue_x = [&](int k, int sb) {          // the issuer warp: superblock sb of the T rows, its sums
         unsigned char* st = smem + k * STAGE;
-        bulk_copy(st + G::A_BYTES, x16 + (size_t)sb * (ACT_ROWS * 256), (unsigned)n_rows_b * 512u, &s_full[k]);
+        stage_copy(st + G::A_BYTES, x16 + (size_t)sb * (ACT_ROWS * 256), (unsigned)n_rows_b * 512u, &s_full[k], lane);
         if (U::HAS_MIN)
-            bulk_copy(st + XS_OFF, xs + (size_t)sb * (ACT_ROWS * 16), (unsigned)n_rows_b * 32u, &s_full[k]);
+            stage_copy(st + XS_OFF, xs + (size_t)sb * (ACT_ROWS * 16), (unsigned)n_rows_b * 32u, &s_full[k], lane);
     };
     auto advance = [&]() {
         ++i_f;
@@ -633,10 +635,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // released by the computing warps (completion i_round - 1 of its empty barrier).
     auto issue_next = [&]() {
         if (!BARRIER_PIPE && i_round > 0) mbar_wait(&s_empty[i_k], (unsigned)(i_round - 1) & 1u);
-        if (lane == 0) {
-            issue_w();
-            issue_x(i_k, i_sb);
-        }
+        issue_w();
+        issue_x(i_k, i_sb);
         advance();
     };
 
@@ -645,7 +645,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int n_pro = min(BARRIER_PIPE ? n_stages - 1 : n_stages, f1 - f0);
     if (warp == ISSUER) {
         for (int k = 0; k < n_pro; ++k) {
-            if (lane == 0) issue_w();
+            issue_w();
             advance();
         }
     }
@@ -653,7 +653,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (warp == ISSUER) {
         int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
         for (int k = 0; k < n_pro; ++k) {
-            if (lane == 0) issue_x(k, sbk);
+            issue_x(k, sbk);
             if (++sbk == n_sb) sbk = 0;
         }
     }

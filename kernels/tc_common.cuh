@@ -162,7 +162,9 @@ __device__ __forceinline__ void warp_sync() { __syncwarp(); }
 // shared memory [phase:1][count:15][pending arrivals:16][bytes still due:32], updated atomically,
 // the copy done synchronously by the issuing thread; the emulator provides its own (emu_runtime.h).
 #if !defined(DFLASH_EMU)
-#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+// TC_NO_TMA (a build define) forces the software path on sm_90 too: the GPU tests hold it equal to
+// the TMA path there, which is how the code pre-Hopper GPUs run gets tested on this machine.
+#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(TC_NO_TMA)
 #define TC_HAVE_TMA 1
 #endif
 #ifdef TC_HAVE_TMA
@@ -240,6 +242,22 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
     }
 }
 #endif
+#endif
+
+// n bytes global -> shared for a whole warp (every lane calls it, after the mbar_expect that
+// announced them and a warp_sync): with TMA lane 0 issues one bulk copy; the software path copies
+// 16 bytes a lane at a time across the warp and counts each lane's bytes off the barrier.
+#if defined(DFLASH_EMU) || defined(TC_HAVE_TMA)
+__device__ __forceinline__ void stage_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar, int lane) {
+    if (lane == 0) bulk_copy(smem, gmem, n, bar);
+}
+#else
+__device__ __forceinline__ void stage_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar, int lane) {
+    unsigned mine = 0;
+    for (unsigned i = 16u * (unsigned)lane; i < n; i += 512u, mine += 16u)
+        *(uint4*)((char*)smem + i) = *(const uint4*)((const char*)gmem + i);
+    if (mine) tc_mb_settle(bar, tc_mb_add(bar, 0ull - (unsigned long long)mine));
+}
 #endif
 
 // The computing warps of a block with a separate issuer warp meet at a named barrier of their own
