@@ -320,6 +320,8 @@ class FusedGpu:
         keep.append(seg_dev)
         if ws.ws.size < 2 * gx * T * 64 or ws.counters.size < n_rb:
             raise ValueError(f"{label}: workspace too small")
+        if getattr(self.dev, "name", "") == "hip" and "MM_ISSUER_WARP=0" not in variant:
+            variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))
         stages = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_STAGES=")), None)
         smem = mm_smem_bytes(qt, T, stages)
