@@ -406,7 +406,6 @@ template <int QT> struct MmGeom {
 template <typename U, int NT, int P>
 __device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const unsigned char* sb_x, const int (&boff)[NT][2], int lane,
                                         float (&tm)[NT][4]) {
-    const int c = lane & 3;
     uint4 bq[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);

@@ -160,7 +160,8 @@ __device__ __forceinline__ void warp_sync() { __syncwarp(); }
 // copies' bytes) and an "empty" one (one arrival per computing warp once it is done reading).
 // Without TMA (HIP, pre-Hopper) the same protocol runs as a software barrier: one 64-bit word in
 // shared memory [phase:1][count:15][pending arrivals:16][bytes still due:32], updated atomically,
-// the copy done synchronously by the issuing thread; the emulator provides its own (emu_runtime.h).
+// the copy done synchronously by the issuing warp (stage_copy below); the emulator provides its own
+// (emu_runtime.h).
 #if !defined(DFLASH_EMU)
 // TC_NO_TMA (a build define) forces the software path on sm_90 too: the GPU tests hold it equal to
 // the TMA path there, which is how the code pre-Hopper GPUs run gets tested on this machine.
@@ -233,10 +234,6 @@ __device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned by
     tc_mb_settle(bar, tc_mb_add(bar, 0ull - TC_MB_ARRIVAL));
 }
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { tc_mb_settle(bar, tc_mb_add(bar, 0ull - TC_MB_ARRIVAL)); }
-__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
-    for (unsigned i = 0; i < n; i += 16) *(uint4*)((char*)smem + i) = *(const uint4*)((const char*)gmem + i);
-    tc_mb_settle(bar, tc_mb_add(bar, 0ull - (unsigned long long)n));
-}
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     while ((unsigned)(tc_mb_load(bar) >> 63) == parity) {
     }
