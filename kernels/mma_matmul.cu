@@ -453,8 +453,9 @@ __device__ __forceinline__ int stripe_owner(long long f, long long W, int G) { r
 // SwiGLU epilogue of one row block from its sums in shared memory (rows 0..31 gate, 32..63 up of
 // features lrb*32 .. +31): the next product's act16 and its 32-column block sums.
 #define MM_SROW 68                               // padded smem row of a row block's result
-__device__ __forceinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int T, int n_ff, int tid,
-                                                   u16* __restrict__ out16, u16* __restrict__ outxs) {
+// Not inlined: one copy of this cold code for its three callers.
+__device__ __noinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int T, int n_ff, int tid,
+                                                u16* __restrict__ out16, u16* __restrict__ outxs) {
     constexpr int F = 32, GROUPS = F / 8;
     const int items = T * GROUPS;
     if (tid >= MM_THREADS) return;               // the issuer warp (the loop below has warp shuffles only)
@@ -764,6 +765,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int head_rb = -1, head_old = 0;
     auto arrive_head = [&](int rbx, const float (&a)[NT][4]) {
         put_partial(rbx, a);
+#ifdef MM_EXCH_NO_HEAD_ARRIVAL  // benchmarks: the head's barrier and release arrival left out
+        return;
+#endif
         mm_sync<NT>();                           // every thread's partial before thread 0's release
         if (tid == 0) head_old = atomic_add_release(&counters[rbx], 1);
         head_rb = rbx;
@@ -789,9 +793,14 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             s_last[1] = tail_last;
         }
         mm_sync<NT>();
-        const bool head_last = s_last[0], tail_last = s_last[1];
-        if (head_last) finish(head_rb);
-        if (tail_last) finish(tail);
+#ifdef MM_EXCH_NO_FINISH        // benchmarks: arrivals only, no part sums its row block
+        return;
+#endif
+        // One call site: this code runs once per launch, from a cold instruction cache (two
+        // inlined copies were 800 more instructions and ~0.5 us more per gate|up launch).
+#pragma unroll 1
+        for (int w = 0; w < 2; ++w)
+            if (s_last[w]) finish(w == 0 ? head_rb : tail);
     };
     auto next_sb = [&]() {
         if (++k == n_stages) { k = 0; phase ^= 1u; }
@@ -865,8 +874,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         warp_sync();                             // every lane's reads of the stage are done
         if (lane == 0) mbar_arrive(&s_empty[k]);
         if (sb != n_sb - 1 && f != f1 - 1) continue;
-#ifdef MM_NO_EXCHANGE     // benchmarks: no epilogue (the result only kept alive)
-        if (acc[0][0] == 1234.5f) ws[tid] = acc[NT - 1][3];
+#ifdef MM_NO_EXCHANGE     // benchmarks: no epilogue (every tile's result kept alive, or the
+        {                     // compiler drops the MMAs of the tiles whose sums reach no memory)
+            float keep = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) keep += acc[nt][i];
+            if (keep == 1234.5f) ws[tid] = keep;
+        }
         continue;
 #endif
         // ---- the row block's part in this stripe is done ----------------------------------------

@@ -192,6 +192,53 @@ def test_mm_software_pipeline_equals_tma(dev, variant):
                 assert np.array_equal(got[0], got[1]), f"type {qtype} T={T} mode {mode}: {variant} differs from TMA"
 
 
+def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
+    """A row block cut between stripes is summed by whichever of its parts arrives last: the
+    stripe ending on it (at its end), or the stripe starting on it (whose early arrival turns out
+    last only at its own end). The emulator runs blocks in grid order (later stripes last: the
+    starting stripe sums) and last to first (the ending stripe sums); both must give the same
+    bits, and the reference, in every epilogue. Shape: 13 row blocks of 5 superblocks over 16
+    stripes of ~4 superblocks (row blocks of 2 and of 3 parts)."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(23)
+    n_out, n_in = 832, 1280
+    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
+    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
+    ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+    orders = (False, True) if name == "emu" else (False,)
+    try:
+        for T in (1, 23):
+            x = rng.standard_normal((T, n_in)).astype(np.float32)
+            act, xr = _act(fg, x, n_in)
+            base = rng.standard_normal((T, n_out)).astype(np.float32)
+            ref_g = fused_ref.mm_ref(xr, raw_g, QT_Q4_K, n_in)
+            for mode in (MODE_STORE, MODE_ADD, MODE_SWIGLU):
+                got = []
+                for reverse in orders:
+                    if name == "emu":
+                        d.block_order(reverse)
+                    if mode == MODE_SWIGLU:
+                        out = ActBuffer(xp, n_out)
+                        op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out)
+                        op()
+                        got.append(fused_ref.act_values(out.read_rows(T)[0], n_out))
+                        ref = fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))
+                    else:
+                        y = xp.array(base)
+                        op = fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)
+                        op()
+                        got.append(_h(xp, y))
+                        ref = ref_g + base if mode == MODE_ADD else ref_g
+                    assert op.grid[0] == 16 or name != "emu", op.grid
+                    err = _rel(got[-1], ref)
+                    assert err <= 2e-3, f"{name} T={T} mode {mode} reverse={reverse}: {err:.3g}"
+                assert all(np.array_equal(g, got[0]) for g in got), f"T={T} mode {mode}: arrival order changed bits"
+    finally:
+        if name == "emu":
+            d.block_order(False)
+
+
 def test_mm_segments_and_residual_add(dev):
     name, d, fg = dev
     xp = fg.xp

@@ -50,6 +50,8 @@ class _Library:
     def __init__(self, path: Path):
         self.lib = ctypes.CDLL(str(path))
         self.lib.emu_config.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_ulonglong]
+        self.lib.emu_block_order.argtypes = [ctypes.c_int]
+        self.reverse_blocks = False
         self._lock = threading.Lock()
 
     def kernel(self, symbol: str) -> "_EmuKernel":
@@ -102,6 +104,7 @@ class _EmuKernel:
             fn = ctypes.CFUNCTYPE(None, *types)(self.address)
             self._fn_cache[types] = fn
         with self.lib._lock:
+            self.lib.lib.emu_block_order(1 if self.lib.reverse_blocks else 0)
             self.lib.lib.emu_config(*(int(g) for g in grid), *(int(b) for b in block), int(shared_mem))
             fn(*[v for _, v in conv])
 
@@ -171,6 +174,12 @@ class EmuDevice:
     def ptr(self, a: Any) -> int:
         return int(a.ctypes.data)
 
+    def block_order(self, reverse: bool) -> None:
+        """Run every later launch's blocks in grid order (the default) or last to first."""
+        self._reverse_blocks = bool(reverse)
+        for lib in self._libs.values():
+            lib.reverse_blocks = self._reverse_blocks
+
     def synchronize(self) -> None:
         pass
 
@@ -193,6 +202,7 @@ class EmuDevice:
                 body += [f"EMU_EXPORT({n})" for n in names]
                 path = _build(source.replace(".", "_"), "\n".join(body))
                 lib = self._libs[source] = _Library(path)
+                lib.reverse_blocks = getattr(self, "_reverse_blocks", False)
             return lib
 
 

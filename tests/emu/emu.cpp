@@ -113,6 +113,11 @@ void emu_fail(const char* what) {
 unsigned int* emu_warp_slots() { return g_block->slots.data() + (size_t)(threadIdx.x >> 5) * 32 * 8; }
 void* emu_dyn_smem() { return g_block->dyn.data(); }
 
+// Blocks run in grid order, or last to first (emu_block_order(1)): kernels whose blocks exchange
+// partial results through global memory then see the other arrival order too.
+static bool g_reverse_blocks = false;
+extern "C" void emu_block_order(int reverse) { g_reverse_blocks = reverse != 0; }
+
 extern "C" void emu_config(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                            unsigned long long smem) {
     g_grid = EmuDim{gx, gy, gz};
@@ -199,7 +204,8 @@ static void emu_run(const std::function<void()>& body) {
     g_block = &blk;
     for (unsigned bz = 0; bz < g_grid.z; ++bz)
         for (unsigned by = 0; by < g_grid.y; ++by)
-            for (unsigned bx = 0; bx < g_grid.x; ++bx) {
+            for (unsigned ix = 0; ix < g_grid.x; ++ix) {
+                const unsigned bx = g_reverse_blocks ? g_grid.x - 1 - ix : ix;
                 blockIdx = EmuDim{bx, by, bz};
                 blk.dyn.assign(g_smem + 16, 0xcd);        // poisoned, as uninitialised smem is
                 for (unsigned t = 0; t < n_threads; ++t) {

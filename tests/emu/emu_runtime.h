@@ -38,6 +38,7 @@ extern EmuDim gridDim;
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __shared__ static
