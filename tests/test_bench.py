@@ -108,3 +108,25 @@ def test_gpu_profile_script_runs_on_the_emulator(tmp_path):
     assert any(line.strip().startswith("mm ffn_gate|up") for line in lines), r.stdout
     assert any(line.startswith("== prefill 64 tokens:") and "tok/s" in line for line in lines), r.stdout
     assert any(line.strip().startswith("matmul ffn_gate") for line in lines), r.stdout   # the wide path's ops
+
+
+def test_gdn_bench_script_runs_on_the_emulator():
+    """tests/bench/bench_gdn_gpu.py (gdn_conv / gdn_recur timings, run on the GPU machine) parses its
+    arguments and runs every form once on the CPU emulator at the 27B shape."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from tests.emu import emu_unavailable_reason
+    if emu_unavailable_reason() is not None:
+        pytest.skip(f"emulator: {emu_unavailable_reason()}")
+    root = Path(__file__).resolve().parent.parent
+    script = str(root / "tests" / "bench" / "bench_gdn_gpu.py")
+    r = subprocess.run([sys.executable, script, "--modes", "bogus"], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 2 and "--modes" in r.stderr
+    r = subprocess.run([sys.executable, script, "--device", "emu", "--widths", "1,2", "--n", "1", "--modes",
+                        "verify,advance,commit"], capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    for kernel, mode in (("gdn_conv", "verify"), ("gdn_conv", "advance"), ("gdn_recur", "verify"),
+                         ("gdn_recur", "advance"), ("gdn_recur", "commit")):
+        assert sum(line.split()[:2] == [kernel, mode] and " us" in line for line in lines) == 3, r.stdout

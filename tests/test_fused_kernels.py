@@ -395,6 +395,85 @@ def test_deltanet_conv_recurrence_and_commit(dev):
             assert np.array_equal(_h(xp, cs), X[n:n + kc - 1])
 
 
+# (d_k, d_v, T, nk, nv): gdn_recur stages 32 tokens per chunk (16 at d_k = 256), so T = 33 and 40 take
+# two and T = 40 at d_k = 256 three; gdn_conv gives each thread runs of at most 16 tokens of one
+# channel, so d_k = 128 at T = 40 (3 runs x 128 channels) and d_k = 32 at T = 150 (10 runs x 32) take
+# more than one pass of the block, d_v = 288 / 300 is a head wider than the block (its state loop), and
+# the gate block's 8 items per thread per pass are exceeded at T * nv = 150 * 16.
+DN_WIDE_CASES = ((32, 32, 40, 2, 4), (128, 128, 40, 2, 4), (32, 32, 150, 2, 16), (32, 288, 5, 2, 4),
+                 (256, 64, 40, 1, 2), (8, 16, 33, 2, 4), (16, 300, 2, 2, 4))
+
+
+@pytest.mark.parametrize("dk, dv, T, nk, nv", DN_WIDE_CASES)
+def test_deltanet_rows_do_not_depend_on_the_launch_width(dev, dk, dv, T, nk, nv):
+    """gdn_conv and gdn_recur across their staging chunks and item passes: against the CPU reference,
+    and every row (and the state after it) the same bits as a narrower launch's, down to one token
+    per launch (verify rows = decode steps)."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(1000 * dk + T)
+    c = _dn_case(rng, T, nk=nk, nv=nv, dk=dk, dv=dv)
+    C, kc = c["C"], c["kc"]
+    R = C + 2 * nv
+    X = np.concatenate([c["state"], c["qkv"]], axis=0)
+    rec_ref, state_ref = fused_ref.gdn_conv_ref(c["qkv"], c["state"], c["conv_w"], c["ab"], c["dt_bias"],
+                                                c["ssm_a"], nk, nv, dk, dv, 1e-6)
+    weights = (xp.array(c["conv_w"]), None, xp.array(c["dt_bias"]), xp.array(c["ssm_a"]))
+
+    def conv(n, write_state, save=None):
+        cs = xp.array(c["state"])
+        tbl = xp.array(np.array([fg.ptr(cs)], dtype=np.uint64))
+        rec = xp.zeros((n, R), dtype=xp.float32)
+        fg.op_gdn_conv("c", xp.array(c["qkv"][:n]), C, tbl, 0, weights[0], xp.array(c["ab"][:n]), weights[2],
+                       weights[3], rec, n, nk, nv, dk, dv, kc, 1e-6, write_state=write_state, state_save=save)()
+        return _h(xp, rec), _h(xp, cs)
+
+    rec, cs = conv(T, True)
+    assert _rel(rec, rec_ref) <= 1e-5
+    assert np.array_equal(cs, state_ref)
+    save = xp.zeros((kc - 1, C), dtype=xp.float32)
+    rec_v, cs_v = conv(T, False, save)                      # verify: the state kept, a copy of it saved
+    assert np.array_equal(rec_v, rec) and np.array_equal(cs_v, c["state"]) and np.array_equal(_h(xp, save), c["state"])
+    for n in sorted({1, 2, T // 2, T - 1} - {0}):
+        rec_n, cs_n = conv(n, True)
+        assert np.array_equal(rec_n, rec[:n]), f"{name}: conv rows of a {n}-token launch differ from a {T}-token one's"
+        assert np.array_equal(cs_n, X[n:n + kc - 1])
+
+    # recurrence: advance against the CPU recurrence, verify, then token by token
+    S_ref = c["S"].copy()
+    o_ref = fused_ref.gdn_recur_ref(rec_ref, S_ref, nk, nv, dk, dv)
+    recd = xp.array(rec_ref)
+
+    def recur(t0, n, S, bak=None, write=True):
+        o = xp.zeros((max(n, 1), nv * dv), dtype=xp.float32)
+        tbl = xp.array(np.array([fg.ptr(recd) + 4 * R * t0, fg.ptr(S), fg.ptr(S) if write else 0,
+                                 0 if bak is None else fg.ptr(bak)], dtype=np.uint64))
+        fg.op_gdn_recur("r", tbl, 1, n, None, o, nk, nv, dk, dv)()
+        return _h(xp, o)[:n]
+
+    S = xp.array(c["S"])
+    o = recur(0, T, S)
+    assert _rel(o, o_ref) <= 1e-5
+    assert _rel(_h(xp, S), S_ref) <= 1e-5
+    S2, bak = xp.array(c["S"]), xp.zeros_like(S)
+    assert np.array_equal(recur(0, T, S2, bak, write=False), o)
+    assert np.array_equal(_h(xp, S2), c["S"]) and np.array_equal(_h(xp, bak), c["S"])
+    S1 = xp.array(c["S"])
+    o1 = np.concatenate([recur(t, 1, S1) for t in range(T)], axis=0)
+    assert np.array_equal(o1, o), f"{name}: rows of a {T}-token launch differ from one-token steps"
+    assert np.array_equal(_h(xp, S1), _h(xp, S))
+    # commit of n tokens from the backup (n read on the device) = n advance steps, across the chunks
+    params = xp.array(np.zeros(2, dtype=np.int32))
+    t_com = xp.array(np.array([fg.ptr(recd), fg.ptr(bak), fg.ptr(S2), 0], dtype=np.uint64))
+    for n in sorted({T, T - 1, 17, 33} & set(range(1, T + 1))):
+        params[1] = n
+        fg.op_gdn_recur("m", t_com, 1, 0, params[1:], None, nk, nv, dk, dv)()
+        Sn = xp.array(c["S"])
+        on = recur(0, n, Sn)
+        assert np.array_equal(on, o[:n])
+        assert np.array_equal(_h(xp, S2), _h(xp, Sn)), f"{name}: commit of {n} tokens differs from {n} steps"
+
+
 def test_deltanet_gated_norm_prep(dev):
     name, d, fg = dev
     xp = fg.xp
