@@ -110,7 +110,13 @@ class Qwen35GpuStep:
         self.act_ff = ActBuffer(xp, hp.n_ff)
         self.act_attn = ActBuffer(xp, self.H * self.D) if self.attn_layers else None
         self.act_dn = ActBuffer(xp, hp.ssm_inner) if self.dn_layers else None
-        self.x = xp.zeros((MAX_T, d), dtype=f32)
+        # The residual stream: two float32 buffers and two int64 fixed-point accumulators. A residual
+        # add (mm MODE_ADD) adds into an accumulator; the next RMSNorm prep folds it in, writing
+        # x + acc to the other x buffer (its other blocks still read the whole rows) and clearing the
+        # other accumulator for the next add (see _Residual).
+        self.xs = (xp.zeros((MAX_T, d), dtype=f32), xp.zeros((MAX_T, d), dtype=f32))
+        self.accs = (xp.zeros((MAX_T, d), dtype=xp.int64), xp.zeros((MAX_T, d), dtype=xp.int64))
+        self.x = self.xs[0]
         if self.dn_layers:
             self.qkv = xp.zeros((MAX_T, self.C), dtype=f32)
             self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
@@ -237,12 +243,18 @@ class Qwen35GpuStep:
         ops: list[Any] = []
         tbl = self.table
         ws = self.ws
-        ops.append(fg.op_embed("embed", m.token_embd, self.params[2:], self.x, T))
+        ops.append(fg.op_embed("embed", m.token_embd, self.params[2:], self.xs[0], T))
+        ops.append(_ZeroOp("clear residual sums", [a[:T] for a in self.accs]))
+        res = _Residual(self.xs, self.accs)
         verify = mode == "verify"
+
+        def prep(label: str, w, row0: int = 0, n_rows: int = T) -> Op:
+            return fg.op_prep_rows(label, res.x, d, row0, w, eps, d, True, self.act_d, n_rows, **res.fold())
+
         for il, layer in enumerate(m.layers):
             mx = layer.mixer
             p = f"blk.{il}."
-            ops.append(fg.op_prep_rows(p + "attn_norm", self.x, d, 0, layer.attn_norm, eps, d, True, self.act_d, T))
+            ops.append(prep(p + "attn_norm", layer.attn_norm))
             if hasattr(mx, "w_qkv"):
                 qkv_out = self.rec_qkv[il][self.Kc - 1:] if verify else self.qkv
                 segs = [(mx.w_qkv, qkv_out, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
@@ -259,8 +271,8 @@ class Qwen35GpuStep:
                                            self.dv))
                 ops.append(fg.op_gdn_out_prep(p + "gdn_out_prep", self.o, self.z, hp.ssm_inner, mx.ssm_norm, eps,
                                               self.nv, self.dv, self.act_dn, T))
-                ops.append(fg.op_mm(p + "mm ssm_out " + mx.w_out.type_name, [(mx.w_out, self.x, 0, d)], self.act_dn,
-                                    T, MODE_ADD, ws))
+                ops.append(fg.op_mm(p + "mm ssm_out " + mx.w_out.type_name, [(mx.w_out, res.add(), 0, d)],
+                                    self.act_dn, T, MODE_ADD, ws))
             else:
                 H, Hkv, D = self.H, self.Hkv, self.D
                 segs = [(mx.wq, self.qg, 0, 2 * H * D), (mx.wk, self.kb, 0, Hkv * D), (mx.wv, self.vb, 0, Hkv * D)]
@@ -274,21 +286,24 @@ class Qwen35GpuStep:
                                               self.part_ml, H, Hkv, D, 1.0 / math.sqrt(D), T))
                 ops.append(fg.op_attn_combine_prep(p + "attn_combine_prep", self.part_o, self.part_ml, self.qg, H, D,
                                                    self.act_attn, T))
-                ops.append(fg.op_mm(p + "mm attn_output " + mx.wo.type_name, [(mx.wo, self.x, 0, d)], self.act_attn,
-                                    T, MODE_ADD, ws))
-            ops.append(fg.op_prep_rows(p + "post_norm", self.x, d, 0, layer.post_norm, eps, d, True, self.act_d, T))
+                ops.append(fg.op_mm(p + "mm attn_output " + mx.wo.type_name, [(mx.wo, res.add(), 0, d)],
+                                    self.act_attn, T, MODE_ADD, ws))
+            ops.append(prep(p + "post_norm", layer.post_norm))
             ops.append(fg.op_mm(p + "mm ffn_gate|up " + layer.ffn_gate.type_name,
                                 [(layer.ffn_gate, None, 0, 0), (layer.ffn_up, None, 0, 0)], self.act_d, T, MODE_SWIGLU,
                                 ws, out_act=self.act_ff))
-            ops.append(fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, self.x, 0, d)],
+            ops.append(fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, res.add(), 0, d)],
                                 self.act_ff, T, MODE_ADD, ws))
             if il in capture:
+                # the layer's output is x + the pending sum: folded by a prep of no norm into the
+                # activation buffer that the next prep overwrites anyway
+                ops.append(fg.op_prep_rows(p + "fold", res.x, d, 0, None, 0.0, d, False, self.act_d, T, **res.fold()))
                 buf = self._capture_buffer(capture, il)
-                ops.append(_CopyOp(p + "capture", xp, buf[:T], self.x[:T]))
+                ops.append(_CopyOp(p + "capture", xp, buf[:T], res.x[:T]))
         if logits != "none":
             n_rows = 1 if logits == "last" else T
             row0 = T - 1 if logits == "last" else 0
-            ops.append(fg.op_prep_rows("output_norm", self.x, d, row0, m.output_norm, eps, d, True, self.act_d, n_rows))
+            ops.append(prep("output_norm", m.output_norm, row0, n_rows))
             ops.append(fg.op_mm("mm output " + m.output.type_name, [(m.output, self.logits, 0, self.V)], self.act_d,
                                 n_rows, MODE_STORE, ws))
             ops.append(fg.op_argmax("argmax", self.logits, self.V, self.V, self.ids_out, n_rows))
@@ -440,6 +455,48 @@ class Qwen35GpuStep:
         fn = getattr(self.b, "synchronize", None)
         if fn is not None:
             fn()
+
+
+class _Residual:
+    """Which buffers hold the residual stream while a plan is built: x = xs[cur], plus the pending
+    fixed-point sum accs[pend] when a residual add happened since the last fold. Adds alternate
+    between the two accumulators; a fold reads x + accs[pend], writes xs[1 - cur] and clears the
+    accumulator the next add uses (its last reader, the previous fold, has finished)."""
+
+    def __init__(self, xs, accs):
+        self.xs, self.accs = xs, accs
+        self.cur, self.pend, self.next_acc = 0, None, 0
+
+    @property
+    def x(self):
+        return self.xs[self.cur]
+
+    def add(self):
+        """The accumulator a residual add (mm MODE_ADD) adds into."""
+        if self.pend is not None:
+            raise RuntimeError("two residual adds without a fold between them")
+        self.pend, self.next_acc = self.next_acc, 1 - self.next_acc
+        return self.accs[self.pend]
+
+    def fold(self) -> dict:
+        """prep_rows' keyword arguments for the next read of x (and the buffers it moves to)."""
+        if self.pend is None:
+            return {}
+        out = dict(acc=self.accs[self.pend], x_out=self.xs[1 - self.cur], acc_zero=self.accs[self.next_acc])
+        self.cur, self.pend = 1 - self.cur, None
+        return out
+
+
+class _ZeroOp:
+    """Arrays set to zero on the device (the residual accumulators at the start of a step)."""
+
+    def __init__(self, label: str, arrays):
+        self.label, self.arrays = label, list(arrays)
+        self.weight_bytes = 0
+
+    def __call__(self) -> None:
+        for a in self.arrays:
+            a.fill(0)
 
 
 class _CopyOp:

@@ -95,29 +95,40 @@ __device__ void prep_cols(const float* vals, int n0, int count, int t, u16* __re
 // (w may be null), 0: values as they are, into row t of the activation buffer out16 / outxs.
 // grid (rows, ceil(K / 256)): each block writes 256 columns; with norm, each computes the row's
 // sum of squares itself (the same fixed order in every block).
+// acc (may be null): the residual's pending fixed-point sum (mm_tc MODE_ADD), same layout as x:
+// every value read is x + fixed_to_float(acc). The block then writes its columns of that sum to
+// x_out (the residual's other buffer: other blocks of this launch still read x and acc whole) and
+// zeroes its columns of acc_zero (the accumulator the next ADD adds into), either may be null.
+__device__ __forceinline__ float fold_fixed(float x, const long long* a, int i) {
+    return a != nullptr ? x + fixed_to_float(a[i]) : x;
+}
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
-    u16* __restrict__ out16, u16* __restrict__ outxs) {
+    u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc, float* __restrict__ x_out,
+    long long* __restrict__ acc_zero) {
     __shared__ float vals[PREP_COLS];
     __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
     const int count = min(PREP_COLS, K - n0);
-    const float* xr = x + (size_t)(row0 + t) * ld_x;
+    const size_t r0 = (size_t)(row0 + t) * ld_x;
+    const float* xr = x + r0;
+    const long long* ar = acc != nullptr ? acc + r0 : nullptr;
     // This block's own columns are requested first, so that their loads overlap the reduction's.
     float v = 0.0f, wv = 1.0f;
     if ((int)threadIdx.x < count) {
-        v = xr[n0 + threadIdx.x];
+        v = fold_fixed(xr[n0 + threadIdx.x], ar, n0 + threadIdx.x);
         if (norm && w != nullptr) wv = w[n0 + threadIdx.x];
     }
     float inv = 1.0f;
     if (norm) {
         // The row's sum of squares: 16-byte loads, eight per thread in flight (a 5120-wide row in
-        // one round trip instead of five).
+        // one round trip instead of five), the accumulator's alongside.
         float ss = 0.0f;
-        if ((K & 3) == 0 && (((size_t)xr) & 15) == 0) {
+        if ((K & 3) == 0 && (((size_t)xr) & 15) == 0 && (((size_t)ar) & 15) == 0) {
             const float4* x4 = (const float4*)xr;
+            const longlong2* a2 = (const longlong2*)ar;
             const int n4 = K >> 2;
             for (int base = 0; base < n4; base += 8 * blockDim.x) {
                 float4 q[8];
@@ -126,17 +137,40 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
                     const int i = base + u * blockDim.x + threadIdx.x;
                     q[u] = i < n4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
+                if (ar != nullptr) {
+                    longlong2 a[8][2];
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        const int i = base + u * blockDim.x + threadIdx.x;
+                        a[u][0] = i < n4 ? a2[2 * i] : make_longlong2(0, 0);
+                        a[u][1] = i < n4 ? a2[2 * i + 1] : make_longlong2(0, 0);
+                    }
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        q[u].x += fixed_to_float(a[u][0].x);
+                        q[u].y += fixed_to_float(a[u][0].y);
+                        q[u].z += fixed_to_float(a[u][1].x);
+                        q[u].w += fixed_to_float(a[u][1].y);
+                    }
+                }
 #pragma unroll
                 for (int u = 0; u < 8; ++u) ss += (q[u].x * q[u].x + q[u].y * q[u].y) + (q[u].z * q[u].z + q[u].w * q[u].w);
             }
         } else {
 #pragma unroll 8
-            for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
+            for (int i = threadIdx.x; i < K; i += blockDim.x) {
+                const float f = fold_fixed(xr[i], ar, i);
+                ss += f * f;
+            }
         }
         ss = block_sum(ss, red);
         inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
     }
-    if ((int)threadIdx.x < count) vals[threadIdx.x] = norm ? v * inv * wv : v;
+    if ((int)threadIdx.x < count) {
+        vals[threadIdx.x] = norm ? v * inv * wv : v;
+        if (x_out != nullptr) x_out[r0 + n0 + threadIdx.x] = v;
+        if (acc_zero != nullptr) acc_zero[r0 + n0 + threadIdx.x] = 0;
+    }
     __syncthreads();
     prep_cols(vals, n0, count, t, out16, outxs);
 }

@@ -310,8 +310,10 @@ class FusedGpu:
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
         keep = [act.x16, act.xs]
         for i, (w, y, off, ldy) in enumerate(segs):
+            if y is not None and str(y.dtype) != ("int64" if mode == MODE_ADD else "float32"):
+                raise ValueError(f"{label}: output {y.dtype}, but {'ADD adds into an int64 fixed-point accumulator' if mode == MODE_ADD else 'float32 expected'}")
             table[i]["w"] = self.ptr(w.data)
-            table[i]["y"] = (self.ptr(y) + 4 * int(off)) if y is not None else 0
+            table[i]["y"] = (self.ptr(y) + y.itemsize * int(off)) if y is not None else 0
             table[i]["n_rows"] = w.n_out
             table[i]["n_tiles"] = w.n_tiles
             table[i]["ldy"] = int(ldy)
@@ -336,10 +338,16 @@ class FusedGpu:
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,
-                     n_rows: int) -> Op:
+                     n_rows: int, acc=None, x_out=None, acc_zero=None) -> Op:
+        """Rows row0.. of x (RMSNorm'd when norm) into act. acc: the residual's pending fixed-point
+        sum (int64, x's layout; MODE_ADD launches add into it), folded into every value read; the
+        folded rows then go to x_out and acc_zero's rows are cleared (either may be None)."""
+        for a, dt in ((acc, "int64"), (acc_zero, "int64"), (x_out, "float32")):
+            if a is not None and str(a.dtype) != dt:
+                raise ValueError(f"{label}: {dt} buffer expected, got {a.dtype}")
         kern = self._k("fused.cu", "prep_rows")
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
-                act.x16, act.xs)
+                act.x16, act.xs, acc, x_out, acc_zero)
         return Op(label, kern, (n_rows, -(-K // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:

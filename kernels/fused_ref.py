@@ -12,10 +12,27 @@ import numpy as np
 from kernels import deltanet, ggml_quants
 from kernels.cpu_backend import CPUBackend
 
-__all__ = ["act_pos", "act_layout", "act_values", "mm_ref", "prep_rows_ref", "gdn_conv_ref", "gdn_recur_ref",
-           "gdn_out_ref", "attn_ref", "swiglu_ref"]
+__all__ = ["to_fixed", "fixed_values", "act_pos", "act_layout", "act_values", "mm_ref", "prep_rows_ref",
+           "gdn_conv_ref", "gdn_recur_ref", "gdn_out_ref", "attn_ref", "swiglu_ref"]
 
 _CPU = CPUBackend()
+
+
+FIXED_ONE = 2.0 ** 32            # tc_common.cuh red_add_fixed: residual adds in 64-bit fixed point
+FIXED_LIMIT = 1 << 59
+
+
+def to_fixed(v: np.ndarray) -> np.ndarray:
+    """What one mm_tc ADD part adds for its partial sums v: round(v * 2^32) (nearest, ties to even)."""
+    return np.rint(np.asarray(v, np.float32).astype(np.float64) * FIXED_ONE).astype(np.int64)
+
+
+def fixed_values(acc: np.ndarray) -> np.ndarray:
+    """An accumulator's values as prep_rows folds them (float32; NaN where a part was not finite)."""
+    acc = np.asarray(acc, np.int64)
+    out = (acc.astype(np.float64) * (1.0 / FIXED_ONE)).astype(np.float32)
+    out[(acc >= FIXED_LIMIT) | (acc <= -FIXED_LIMIT)] = np.nan
+    return out
 
 
 def act_pos(n: np.ndarray) -> np.ndarray:

@@ -51,12 +51,15 @@
 // bytes whatever the matrix shape. A row block wholly inside a stripe is written straight from the
 // MMA fragments; one cut between stripes (only a stripe's first and last can be) is finished by
 // the last of its stripes to arrive, which adds the partial sums in stripe order (deterministic; a
-// counter per row block, reset by that block so a CUDA graph can replay the launch).
+// counter per row block, reset by that block so a CUDA graph can replay the launch). ADD needs no
+// such exchange: every part adds its sums into a 64-bit fixed-point accumulator (exact, so in any
+// order; tc_common.cuh red_add_fixed), which the next RMSNorm prep folds into the residual.
 // Batch invariance: a row's result depends only on its own activation row (MMA columns are
 // independent, the stripes depend on the matrix and the grid, never on T), so decoding 1 token or
 // verifying 23 gives bit-identical rows; speculative decoding relies on it.
 //
-// Epilogues: STORE y[t, o] = acc; ADD y[t, o] += acc (residual, in place); SWIGLU (two segments:
+// Epilogues: STORE y[t, o] = acc; ADD acc64[t, o] += fixed(acc) (y is int64: the residual's
+// pending sum, fused.cu prep_rows folds it); SWIGLU (two segments:
 // gate and up, paired tile for tile) writes silu(gate) * up as the next product's act16 row and
 // block sums directly.
 #include "tc_common.cuh"
@@ -499,7 +502,6 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
     if (MODE != MODE_SWIGLU) {
         if (warp >= 4) return;                   // the issuer warp holds no tile
         const MmSeg& sg = s_segs[seg];
-        float* y = (float*)sg.y;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -507,8 +509,8 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
                 const int tok = nt * 8 + 2 * c + (i & 1);
                 const int row = lrb * 64 + warp * 16 + g + 8 * (i >> 1);
                 if (tok < T && row < sg.n_rows) {
-                    if (MODE == MODE_ADD) y[(size_t)tok * sg.ldy + row] += acc[nt][i];
-                    else y[(size_t)tok * sg.ldy + row] = acc[nt][i];
+                    if (MODE == MODE_ADD) red_add_fixed((long long*)sg.y + (size_t)tok * sg.ldy + row, acc[nt][i]);
+                    else ((float*)sg.y)[(size_t)tok * sg.ldy + row] = acc[nt][i];
                 }
             }
     } else {
@@ -702,19 +704,14 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         // partials in stripe order R at a time with every load of a round in flight (one round for
         // the <= 8 parts of a decode launch; element by element, a 23-row launch waited on ~24
         // rounds of L2 latency here). Every element is still 0 + p_first + p_first+1 + ... in that
-        // order, whatever T. The residual (ADD) is requested before the partials.
+        // order, whatever T. (ADD never gets here: its parts add in fixed point.)
         constexpr int EPT = NT * 8 * ROWS / MM_THREADS;
         constexpr int R = NT == 1 ? 8 : (NT == 2 ? 4 : 2);
         const MmSeg& sg = s_segs[sgx];
         float* y = (float*)sg.y;
-        float v[EPT], old[EPT];
+        float v[EPT];
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-            const int i = tid + MM_THREADS * e, row = lrx * ROWS + i % ROWS;
-            v[e] = 0.0f;
-            old[e] = (MODE == MODE_ADD && tid < MM_THREADS && i < n_el && row < sg.n_rows)
-                         ? y[(size_t)(i / ROWS) * sg.ldy + row] : 0.0f;
-        }
+        for (int e = 0; e < EPT; ++e) v[e] = 0.0f;
         if (tid < MM_THREADS) {
             const int end = first + n_part;
             for (int p0 = first; p0 < end; p0 += R) {
@@ -750,7 +747,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
             for (int e = 0; e < EPT; ++e) {
                 const int i = tid + MM_THREADS * e, row = lrx * ROWS + i % ROWS;
-                if (i < n_el && row < sg.n_rows) y[(size_t)(i / ROWS) * sg.ldy + row] = MODE == MODE_ADD ? old[e] + v[e] : v[e];
+                if (i < n_el && row < sg.n_rows) y[(size_t)(i / ROWS) * sg.ldy + row] = v[e];
             }
         }
         if (tid == 0) counters[rbx] = 0;
@@ -889,7 +886,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         // A row block wholly in this stripe is written at once; one cut between stripes (only the
         // stripe's first and last can be) is exchanged.
         const bool is_head = rb * n_sb < f0, is_tail = (rb + 1) * n_sb > f1;
-        if (is_tail) {
+        if (MODE == MODE_ADD) {                  // every part adds its own sums (fixed point): no exchange
+            mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs);
+        } else if (is_tail) {
             tail_rb = rb;                        // the stripe's last superblock: exchanged after the loop
         } else if (is_head) {
 #ifndef MM_NO_EXCHANGE

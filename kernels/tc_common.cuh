@@ -143,6 +143,37 @@ __device__ __forceinline__ int atomic_add_release(int* p, int v) {
 __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 #endif
 
+// Residual adds in 64-bit fixed point (mm_tc MODE_ADD, folded by fused.cu prep_rows): a partial
+// sum v is added as round(v * 2^32). Integer addition is exact, so a row's value is the same in
+// whatever order its parts arrive: the blocks that share a row block need no exchange (no counter,
+// no workspace, no block waiting for another), and rows stay batch-invariant. Range: a row's sum
+// stays within +-2^27 (|acc| < 2^59); a non-finite v adds FIXED_POISON = 2^60, so any 1..15 of
+// them leave |acc| >= 2^59 and the fold turns the element into NaN (the step's health check sees it).
+#define FIXED_ONE 4294967296.0f
+#define FIXED_POISON (1ll << 60)
+#define FIXED_LIMIT (1ll << 59)
+#if defined(DFLASH_EMU)
+inline void red_add_fixed(long long* p, float v) {
+    const long long q = std::isfinite(v) ? (long long)std::llrint((double)(v * FIXED_ONE)) : FIXED_POISON;
+    std::atomic_ref<unsigned long long>(*(unsigned long long*)p).fetch_add((unsigned long long)q,
+                                                                          std::memory_order_relaxed);
+}
+#elif defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ void red_add_fixed(long long* p, float v) {
+    const long long q = isfinite(v) ? __float2ll_rn(v * FIXED_ONE) : FIXED_POISON;
+    atomicAdd((unsigned long long*)p, (unsigned long long)q);
+}
+#else
+__device__ __forceinline__ void red_add_fixed(long long* p, float v) {
+    const long long q = isfinite(v) ? __float2ll_rn(v * FIXED_ONE) : FIXED_POISON;
+    // global and without a result (a generic atomicAdd also tests for shared memory)
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(q) : "memory");
+}
+#endif
+__device__ __forceinline__ float fixed_to_float(long long a) {
+    return (a >= FIXED_LIMIT || a <= -FIXED_LIMIT) ? __int_as_float(0x7fc00000) : (float)((double)a * (1.0 / 4294967296.0));
+}
+
 // Every lane of the warp reaches this point before any goes on (lanes that issue copies after
 // lane 0 armed the barrier).
 #if defined(DFLASH_EMU)

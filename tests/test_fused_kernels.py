@@ -186,7 +186,7 @@ def test_mm_software_pipeline_equals_tma(dev, variant):
                         fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out, variant=v)()
                         got.append(np.concatenate(out.read_rows(T), axis=1))
                     else:
-                        y = xp.array(base)
+                        y = xp.zeros((T, n_out), dtype=xp.int64) if mode == MODE_ADD else xp.array(base)
                         fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws, variant=v)()
                         got.append(_h(xp, y))
                 assert np.array_equal(got[0], got[1]), f"type {qtype} T={T} mode {mode}: {variant} differs from TMA"
@@ -224,12 +224,18 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
                         op()
                         got.append(fused_ref.act_values(out.read_rows(T)[0], n_out))
                         ref = fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))
+                    elif mode == MODE_ADD:                # into the fixed-point accumulator
+                        acc = xp.zeros((T, n_out), dtype=xp.int64)
+                        op = fg.op_mm("t", [(wg, acc, 0, n_out)], act, T, mode, ws)
+                        op()
+                        got.append(fused_ref.fixed_values(_h(xp, acc)))
+                        ref = ref_g
                     else:
                         y = xp.array(base)
                         op = fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)
                         op()
                         got.append(_h(xp, y))
-                        ref = ref_g + base if mode == MODE_ADD else ref_g
+                        ref = ref_g
                     assert op.grid[0] == 16 or name != "emu", op.grid
                     err = _rel(got[-1], ref)
                     assert err <= 2e-3, f"{name} T={T} mode {mode} reverse={reverse}: {err:.3g}"
@@ -240,6 +246,10 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
 
 
 def test_mm_segments_and_residual_add(dev):
+    """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
+    prep_rows folds into the residual (x + acc, written to the other x buffer, the next
+    accumulator cleared); segments of one launch land at their offsets and nothing else changes.
+    A second launch adds the same sums again (no counter or workspace state between launches)."""
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(3)
@@ -248,20 +258,42 @@ def test_mm_segments_and_residual_add(dev):
     ws_ = [fg.repack(f"w{i}", QT_Q4_K, r.shape[0], n_in, r) for i, r in enumerate(raws)]
     x = rng.standard_normal((T, n_in)).astype(np.float32)
     act, xr = _act(fg, x, n_in)
-    ldy = 100
+    ldy = 104
     base = rng.standard_normal((T, ldy)).astype(np.float32)
-    y = xp.array(base, copy=True)
+    acc = xp.zeros((T, ldy), dtype=xp.int64)
     ws = MmWorkspace(xp, *fg.workspace_need(ws_, MODE_ADD))
-    segs = [(ws_[0], y, 0, ldy), (ws_[1], y, 45, ldy), (ws_[2], y, 61, ldy)]
+    segs = [(ws_[0], acc, 0, ldy), (ws_[1], acc, 45, ldy), (ws_[2], acc, 61, ldy)]
     fg.op_mm("t", segs, act, T, MODE_ADD, ws)()
-    exp = base.copy()
-    exp[:, 0:40] += fused_ref.mm_ref(xr, raws[0], QT_Q4_K, n_in)
-    exp[:, 45:61] += fused_ref.mm_ref(xr, raws[1], QT_Q4_K, n_in)
-    exp[:, 61:94] += fused_ref.mm_ref(xr, raws[2], QT_Q4_K, n_in)
-    got = _h(xp, y)
-    assert _rel(got, exp) <= 1e-6
-    untouched = np.r_[40:45, 94:100]
-    assert np.array_equal(got[:, untouched], base[:, untouched]), "ADD wrote outside its segments"
+    once = _h(xp, acc).copy()
+    exp = np.zeros((T, ldy), np.float32)
+    exp[:, 0:40] = fused_ref.mm_ref(xr, raws[0], QT_Q4_K, n_in)
+    exp[:, 45:61] = fused_ref.mm_ref(xr, raws[1], QT_Q4_K, n_in)
+    exp[:, 61:94] = fused_ref.mm_ref(xr, raws[2], QT_Q4_K, n_in)
+    assert _rel(fused_ref.fixed_values(once), exp) <= 1e-6
+    untouched = np.r_[40:45, 94:104]
+    assert (once[:, untouched] == 0).all(), "ADD wrote outside its segments"
+    fg.op_mm("t", segs, act, T, MODE_ADD, ws)()
+    assert np.array_equal(_h(xp, acc), 2 * once)
+    with pytest.raises(ValueError, match="int64"):
+        fg.op_mm("t", [(ws_[0], xp.zeros((T, ldy), dtype=xp.float32), 0, ldy)], act, T, MODE_ADD, ws)
+    # the fold: x + acc into the other buffer, the next accumulator cleared, act from the sum
+    acc[...] = xp.asarray(once)
+    xd, x_out = xp.array(base), xp.full((T, ldy), np.nan, dtype=xp.float32)
+    nxt = xp.full((T, ldy), 7, dtype=xp.int64)
+    act_o = ActBuffer(xp, ldy)
+    fg.op_prep_rows("p", xd, ldy, 0, None, 0.0, ldy, False, act_o, T, acc=acc, x_out=x_out, acc_zero=nxt)()
+    folded = base + fused_ref.fixed_values(once)
+    assert np.array_equal(_h(xp, x_out), folded)
+    assert (_h(xp, nxt) == 0).all() and np.array_equal(_h(xp, xd), base) and np.array_equal(_h(xp, acc), once)
+    e16, _ = fused_ref.act_layout(folded)
+    assert np.array_equal(act_o.read_rows(T)[0][:, :e16.shape[1]], e16)
+    # a non-finite partial poisons its element: the fold gives NaN there (the step's health check)
+    poison = once.copy()
+    poison[1, 3] += np.int64(1) << np.int64(60)
+    acc[...] = xp.asarray(poison)
+    fg.op_prep_rows("p", xd, ldy, 0, None, 0.0, ldy, False, act_o, T, acc=acc, x_out=x_out)()
+    got = _h(xp, x_out)
+    assert np.isnan(got[1, 3]) and np.isfinite(np.delete(got.ravel(), 1 * ldy + 3)).all()
 
 
 @pytest.mark.parametrize("qtype", (QT_Q4_K, QT_Q6_K, QT_IQ4_XS))
@@ -309,6 +341,22 @@ def test_prep_rows_layout_and_norm(dev):
         got = fused_ref.act_values(act.read_rows(T)[0], K)
         ref = fused_ref.prep_rows_ref(x[:T], w, 1e-6, True)
         assert _rel(got, ref) <= 1e-3      # f16 rounding of the normed values
+        # a residual's pending fixed-point sum folded in: the same bits as the prep of x + acc
+        acc = fused_ref.to_fixed(rng.standard_normal((T + 2, K)).astype(np.float32))
+        folded = x + fused_ref.fixed_values(acc)
+        x_out = xp.zeros((T + 2, K), dtype=xp.float32)
+        def shifted(a):                   # rows 4 bytes off 16: the sum of squares' scalar path
+            buf = xp.zeros(a.size + 1, dtype=xp.float32)
+            buf[1:] = xp.asarray(a).ravel()
+            return buf[1:].reshape(a.shape)
+
+        for xin, fin in ((xd, xp.array(folded)), (shifted(x), shifted(folded))):
+            fg.op_prep_rows("p", fin, K, 1, wd, 1e-6, K, True, act, T)()     # each path's own sum order
+            exp16 = act.read_rows(T)
+            fg.op_prep_rows("p", xin, K, 1, wd, 1e-6, K, True, act, T, acc=xp.array(acc), x_out=x_out)()
+            got16 = act.read_rows(T)
+            assert np.array_equal(got16[0], exp16[0]) and np.array_equal(got16[1], exp16[1])
+            assert np.array_equal(_h(xp, x_out)[1:T + 1], folded[1:T + 1]) and (_h(xp, x_out)[[0, T + 1]] == 0).all()
 
 
 def _dn_case(rng, T, nk=2, nv=4, dk=32, dv=32, kc=4):

@@ -66,7 +66,7 @@ def main() -> None:
         act = ActBuffer(cp, n_in)
         act.x16[...] = cp.asarray(rng.standard_normal(act.x16.shape).astype(np.float16).view(np.uint16))
         out_act = ActBuffer(cp, n_out) if mode == MODE_SWIGLU else None
-        y = cp.zeros((32, n_out), dtype=cp.float32)
+        y = cp.zeros((32, n_out), dtype=cp.int64 if mode == MODE_ADD else cp.float32)   # ADD: fixed-point sums
         need_f, need_c = fg.workspace_need(ws_, mode)
         ws = MmWorkspace(cp, 4 * need_f, need_c)       # room for --variants MM_GRID=<up to 16>
         variants = [()] + [tuple(v.split(",")) for v in args.variants.split(";") if v]

@@ -27,6 +27,8 @@ struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+struct alignas(16) longlong2 { long long x, y; };
+inline longlong2 make_longlong2(long long a, long long b) { return longlong2{a, b}; }
 struct EmuDim { unsigned int x, y, z; };
 
 extern EmuDim threadIdx;      // of the running fiber
