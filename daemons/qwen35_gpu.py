@@ -11,6 +11,9 @@ layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
                -> attn_combine_prep -> mm[attn_output] += x
     FFN        prep(post_attention_norm) -> mm[gate, up] with the SwiGLU epilogue -> mm[down] += x
 
+where `+= x` adds into an int64 fixed-point accumulator beside x (no exchange between the blocks
+that share rows) and the next prep folds it into x (`_Residual`: two x buffers, two accumulators).
+
 then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on
 the device for `topk_row`, so that only the candidates the sampler needs cross to the host).
 Matrices of one launch share a type; a layer whose fused projections have two types (llama.cpp's

@@ -292,7 +292,9 @@ class FusedGpu:
     def op_mm(self, label: str, segs: Sequence[tuple[TcWeight, Any, int, int]], act: ActBuffer, T: int, mode: int,
               ws: MmWorkspace, out_act: ActBuffer | None = None, variant: tuple[str, ...] = ()) -> Op:
         """y = act @ W.T for each segment (weight, y array, element offset into y, row stride of y);
-        all weights share type and n_in. MODE_SWIGLU: segs = (gate, up), output into out_act."""
+        all weights share type and n_in. MODE_ADD: y is an int64 fixed-point accumulator that the
+        launch adds round(y * 2^32) into (op_prep_rows folds it into the residual). MODE_SWIGLU:
+        segs = (gate, up), output into out_act."""
         xp = self.xp
         weights = [s[0] for s in segs]
         qt, n_sb = weights[0].qtype, weights[0].n_sb
