@@ -119,7 +119,6 @@ class Qwen35GpuStep:
         # other accumulator for the next add (see _Residual).
         self.xs = (xp.zeros((MAX_T, d), dtype=f32), xp.zeros((MAX_T, d), dtype=f32))
         self.accs = (xp.zeros((MAX_T, d), dtype=xp.int64), xp.zeros((MAX_T, d), dtype=xp.int64))
-        self.x = self.xs[0]
         if self.dn_layers:
             self.qkv = xp.zeros((MAX_T, self.C), dtype=f32)
             self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)

@@ -312,8 +312,9 @@ class FusedGpu:
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
         keep = [act.x16, act.xs]
         for i, (w, y, off, ldy) in enumerate(segs):
-            if y is not None and str(y.dtype) != ("int64" if mode == MODE_ADD else "float32"):
-                raise ValueError(f"{label}: output {y.dtype}, but {'ADD adds into an int64 fixed-point accumulator' if mode == MODE_ADD else 'float32 expected'}")
+            want = "int64" if mode == MODE_ADD else "float32"       # ADD: a fixed-point accumulator
+            if y is not None and str(y.dtype) != want:
+                raise ValueError(f"{label}: output {y.dtype}, this mode writes {want}")
             table[i]["w"] = self.ptr(w.data)
             table[i]["y"] = (self.ptr(y) + y.itemsize * int(off)) if y is not None else 0
             table[i]["n_rows"] = w.n_out

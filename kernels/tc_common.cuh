@@ -171,7 +171,7 @@ __device__ __forceinline__ void red_add_fixed(long long* p, float v) {
 }
 #endif
 __device__ __forceinline__ float fixed_to_float(long long a) {
-    return (a >= FIXED_LIMIT || a <= -FIXED_LIMIT) ? __int_as_float(0x7fc00000) : (float)((double)a * (1.0 / 4294967296.0));
+    return (a >= FIXED_LIMIT || a <= -FIXED_LIMIT) ? __int_as_float(0x7fc00000) : (float)((double)a * (1.0 / FIXED_ONE));
 }
 
 // Every lane of the warp reaches this point before any goes on (lanes that issue copies after
