@@ -12,7 +12,9 @@ layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
     FFN        prep(post_attention_norm) -> mm[gate, up] with the SwiGLU epilogue -> mm[down] += x
 
 where `+= x` adds into an int64 fixed-point accumulator beside x (no exchange between the blocks
-that share rows) and the next prep folds it into x (`_Residual`: two x buffers, two accumulators).
+that share rows) and the next prep folds it into x (`_Residual`: two x buffers, two accumulators);
+the DeltaNet projections (qkv | z | alpha | beta) are fixed-point sums the same way, which gdn_conv
+and gdn_out_prep read as floats and clear for the next layer.
 
 then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on
 the device for `topk_row`, so that only the candidates the sampler needs cross to the host).
@@ -120,9 +122,11 @@ class Qwen35GpuStep:
         self.xs = (xp.zeros((MAX_T, d), dtype=f32), xp.zeros((MAX_T, d), dtype=f32))
         self.accs = (xp.zeros((MAX_T, d), dtype=xp.int64), xp.zeros((MAX_T, d), dtype=xp.int64))
         if self.dn_layers:
-            self.qkv = xp.zeros((MAX_T, self.C), dtype=f32)
-            self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
-            self.ab = xp.zeros((MAX_T, 2 * self.nv), dtype=f32)
+            # the DeltaNet projections, as the int64 fixed-point sums their matmul adds (no exchange
+            # between blocks); gdn_conv / gdn_out_prep clear what they read for the next layer
+            self.qkv = xp.zeros((MAX_T, self.C), dtype=xp.int64)
+            self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=xp.int64)
+            self.ab = xp.zeros((MAX_T, 2 * self.nv), dtype=xp.int64)
             self.rec = xp.zeros((MAX_T, self.R), dtype=f32)
             self.o = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
             # verify records, per DeltaNet layer
@@ -196,7 +200,7 @@ class Qwen35GpuStep:
             mx = layer.mixer
             if hasattr(mx, "w_qkv"):
                 for g in self._group([(mx.w_qkv,), (mx.w_gate,), (mx.w_alpha,), (mx.w_beta,)]):
-                    yield [s[0] for s in g], MODE_STORE
+                    yield [s[0] for s in g], MODE_ADD
                 yield [mx.w_out], MODE_ADD
             else:
                 for g in self._group([(mx.wq,), (mx.wk,), (mx.wv,)]):
@@ -246,7 +250,8 @@ class Qwen35GpuStep:
         tbl = self.table
         ws = self.ws
         ops.append(fg.op_embed("embed", m.token_embd, self.params[2:], self.xs[0], T))
-        ops.append(_ZeroOp("clear residual sums", [a[:T] for a in self.accs]))
+        sums = [a[:T] for a in self.accs] + ([self.qkv[:T], self.z[:T], self.ab[:T]] if self.dn_layers else [])
+        ops.append(_ZeroOp("clear sums", sums))      # each consumer clears what it read; this is the start
         res = _Residual(self.xs, self.accs)
         verify = mode == "verify"
 
@@ -258,16 +263,16 @@ class Qwen35GpuStep:
             p = f"blk.{il}."
             ops.append(prep(p + "attn_norm", layer.attn_norm))
             if hasattr(mx, "w_qkv"):
-                qkv_out = self.rec_qkv[il][self.Kc - 1:] if verify else self.qkv
-                segs = [(mx.w_qkv, qkv_out, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
+                segs = [(mx.w_qkv, self.qkv, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
                         (mx.w_alpha, self.ab, 0, 2 * self.nv), (mx.w_beta, self.ab, self.nv, 2 * self.nv)]
                 for g in self._group(segs):
-                    ops.append(fg.op_mm(p + "mm qkv|z|a|b " + g[0][0].type_name, g, self.act_d, T, MODE_STORE, ws))
+                    ops.append(fg.op_mm(p + "mm qkv|z|a|b " + g[0][0].type_name, g, self.act_d, T, MODE_ADD, ws))
                 rec = self.rec_in[il] if verify else self.rec
-                ops.append(fg.op_gdn_conv(p + "gdn_conv", qkv_out, self.C, tbl, self._slots[("conv", il)], mx.conv,
+                ops.append(fg.op_gdn_conv(p + "gdn_conv", self.qkv, self.C, tbl, self._slots[("conv", il)], mx.conv,
                                           self.ab, mx.dt_bias, mx.ssm_a, rec, T, self.nk, self.nv, self.dk, self.dv,
                                           self.Kc, eps, write_state=not verify,
-                                          state_save=self.rec_qkv[il] if verify else None))
+                                          state_save=self.rec_qkv[il] if verify else None,
+                                          qkv_save=self.rec_qkv[il][self.Kc - 1:] if verify else None))
                 slot = self._slots[("ver", il) if verify else ("adv", il)]
                 ops.append(fg.op_gdn_recur(p + "gdn_recur", tbl[slot:], 1, T, None, self.o, self.nk, self.nv, self.dk,
                                            self.dv))

@@ -176,19 +176,23 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
 }
 
 // ---------------------------------------------------------------------------------------------
-// gdn_conv. qkv[T][C] (row stride ldq) = the raw projection (q heads | k heads | v heads); the conv
-// state [Kc-1][C] (row 0 oldest) is at tbl[slot]; conv_w[C][Kc], tap Kc-1 on the newest input.
-// ab[T][2*nv] = alpha (no bias yet) | beta logits. Writes rec[T][R], R = 2*nk*dk + nv*dv + 2*nv:
-// q (L2-normalised) | k (L2-normalised) | v | g | beta. write_state: advance the conv state in
-// place (decode / prefill); 0 for verify. state_save (verify): the conv state is copied there
-// ([Kc-1][C], rows in front of qkv in the layer's verify record [Kc-1+T][C], so that
-// gdn_commit_conv can rebuild the state after any prefix from the record alone).
-// grid: 2*nk + nv + 1 blocks (q heads, k heads, v heads, one for the gates); dynamic smem T*width floats.
+// gdn_conv. qkv[T][C] (row stride ldq) = the raw projection (q heads | k heads | v heads) as the
+// int64 fixed-point sums its matmul added (mm_tc MODE_ADD: no exchange between the blocks that
+// share a row block); the conv state [Kc-1][C] (row 0 oldest) is at tbl[slot]; conv_w[C][Kc],
+// tap Kc-1 on the newest input. ab[T][2*nv] = alpha (no bias yet) | beta logits, fixed point too.
+// Each block clears the sums it read (qkv: its channels, ab: the gates block), so the next layer's
+// matmul adds into zeros. Writes rec[T][R], R = 2*nk*dk + nv*dv + 2*nv: q (L2-normalised) | k
+// (L2-normalised) | v | g | beta. write_state: advance the conv state in place (decode / prefill);
+// 0 for verify. Verify also passes state_save and qkv_save: the conv state ([Kc-1][C]) and the
+// block's inputs ([T][C], as floats) are copied into the layer's verify record [Kc-1+T][C], so that
+// gdn_commit_conv can rebuild the state after any prefix from the record alone.
+// grid: 2*nk + nv + 1 blocks (q heads, k heads, v heads, one for the gates); dynamic smem
+// 2*T*width floats.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
-    const float* __restrict__ qkv, int ldq, const unsigned long long* __restrict__ tbl, int slot,
-    const float* __restrict__ conv_w, const float* __restrict__ ab, const float* __restrict__ dt_bias,
+    long long* __restrict__ qkv, int ldq, const unsigned long long* __restrict__ tbl, int slot,
+    const float* __restrict__ conv_w, long long* __restrict__ ab, const float* __restrict__ dt_bias,
     const float* __restrict__ ssm_a, float* __restrict__ rec, int T, int nk, int nv, int dk, int dv, int Kc,
-    float eps, int write_state, float* __restrict__ state_save) {
+    float eps, int write_state, float* __restrict__ state_save, float* __restrict__ qkv_save) {
     DYN_SMEM(float, sm);
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
@@ -198,8 +202,11 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     if (b == 2 * nk + nv) {              // gates
         for (int i = threadIdx.x; i < T * nv; i += blockDim.x) {
             const int t = i / nv, h = i % nv;
-            const float a = ab[(size_t)t * 2 * nv + h] + dt_bias[h];
-            const float bl = ab[(size_t)t * 2 * nv + nv + h];
+            long long* pa = ab + (size_t)t * 2 * nv + h;
+            const float a = fixed_to_float(pa[0]) + dt_bias[h];
+            const float bl = fixed_to_float(pa[nv]);
+            pa[0] = 0;                   // read: cleared for the next layer's matmul
+            pa[nv] = 0;
             const float sp = a > 20.0f ? a : log1pf(expf(fminf(a, 20.0f)));
             rec[(size_t)t * R + C + h] = ssm_a[h] * sp;
             rec[(size_t)t * R + C + nv + h] = 1.0f / (1.0f + expf(-bl));
@@ -212,11 +219,12 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     else if (b < 2 * nk) { ch0 = nk * dk + (b - nk) * dk; width = dk; normed = true; }
     else { ch0 = 2 * nk * dk + (b - 2 * nk) * dv; width = dv; normed = false; }
     float* state = (float*)tbl[slot];
+    float* sx = sm + T * width;          // the block's inputs X[K1 + t] = qkv[t], as floats
     const int K1 = Kc - 1;
     // One (token, channel) output per item, summed over its Kc inputs X[t .. t + Kc-1] of
     // X = [state; qkv] in tap order: the items are independent, so all their loads are in flight
     // at once (a token loop per channel waited on one load per token), and each is computed the
-    // same way whatever T.
+    // same way whatever T. An item keeps its newest input (qkv row t) for the state and the record.
     for (int it = threadIdx.x; it < T * width; it += blockDim.x) {
         const int t = it / width, i = it - t * width, ch = ch0 + i;
         float y = 0.0f;
@@ -224,14 +232,20 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
         for (int j = 0; j < 8; ++j) {
             if (j < Kc) {
                 const int r = t + j;
-                const float xv = r < K1 ? state[(size_t)r * C + ch] : qkv[(size_t)(r - K1) * ldq + ch];
+                const float xv = r < K1 ? state[(size_t)r * C + ch] : fixed_to_float(qkv[(size_t)(r - K1) * ldq + ch]);
                 const float wv = conv_w[(size_t)ch * Kc + j];
                 y = j == 0 ? xv * wv : fmaf(xv, wv, y);
+                if (j == K1) sx[t * width + i] = xv;
             }
         }
         sm[t * width + i] = y / (1.0f + expf(-y));
     }
-    __syncthreads();                     // every read of the old state is done
+    __syncthreads();                     // every read of the old state and of qkv is done
+    for (int it = threadIdx.x; it < T * width; it += blockDim.x) {
+        const int t = it / width, i = it - t * width;
+        qkv[(size_t)t * ldq + ch0 + i] = 0;                  // read: cleared for the next layer's matmul
+        if (qkv_save != nullptr) qkv_save[(size_t)t * C + ch0 + i] = sx[t * width + i];
+    }
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         const int ch = ch0 + i;
         float old[7];
@@ -247,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
             for (int j = 0; j < 7; ++j) {
                 const int r = T + j;
                 float v = 0.0f;
-                if (j < K1 && r >= K1) v = qkv[(size_t)(r - K1) * ldq + ch];
+                if (j < K1 && r >= K1) v = sx[(r - K1) * width + i];
 #pragma unroll
                 for (int m = 0; m < 7; ++m)
                     if (j < K1 && r < K1 && m == r) v = old[m];   // T < Kc-1: part of the old state stays
@@ -381,9 +395,10 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_commit_conv(
 
 // ---------------------------------------------------------------------------------------------
 // gdn_out_prep: y[t, h] = RMSNorm(o[t, h]; w) * silu(z[t, h]) over d_v, then act16. grid (T,
-// ceil(nv*dv / 256)): a block writes 256 columns, normalising the heads they belong to.
+// ceil(nv*dv / 256)): a block writes 256 columns, normalising the heads they belong to. z is the
+// gate projection's int64 fixed-point sum (mm_tc MODE_ADD), cleared as it is read.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
-    const float* __restrict__ o, const float* __restrict__ zb, int ldz, const float* __restrict__ w, float eps,
+    const float* __restrict__ o, long long* __restrict__ zb, int ldz, const float* __restrict__ w, float eps,
     int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs) {
     __shared__ float vals[PREP_COLS];
     __shared__ float inv_h[PREP_COLS + 1];
@@ -397,7 +412,8 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     float zv = 0.0f, ov = 0.0f, wv = 0.0f;      // this thread's column, requested before the norms
     if ((int)threadIdx.x < count) {
         const int n = n0 + threadIdx.x;
-        zv = zb[(size_t)t * ldz + n];
+        zv = fixed_to_float(zb[(size_t)t * ldz + n]);
+        zb[(size_t)t * ldz + n] = 0;             // read: cleared for the next layer's matmul
         ov = ot[n];
         wv = w[n % dv];
     }

@@ -365,16 +365,22 @@ class FusedGpu:
         return Op(label, kern, grid, (256,), args, pdl=False)
 
     def op_gdn_conv(self, label: str, qkv, ldq: int, tbl, slot: int, conv_w, ab, dt_bias, ssm_a, rec, T: int,
-                    nk: int, nv: int, dk: int, dv: int, kc: int, eps: float, write_state: bool, state_save=None) -> Op:
+                    nk: int, nv: int, dk: int, dv: int, kc: int, eps: float, write_state: bool, state_save=None,
+                    qkv_save=None) -> Op:
+        """qkv and ab: the projections' int64 fixed-point sums (MODE_ADD launches), cleared as they
+        are read. Verify: state_save / qkv_save receive the conv state and the block's inputs (as
+        floats) for gdn_commit_conv."""
         if kc > 8:
             raise ValueError(f"conv kernel of {kc} taps (gdn_conv handles up to 8)")
+        if str(qkv.dtype) != "int64" or str(ab.dtype) != "int64":
+            raise ValueError(f"{label}: qkv and ab are int64 fixed-point sums (got {qkv.dtype}, {ab.dtype})")
         kern = self._k("fused.cu", "gdn_conv")
         width = max(dk, dv)
-        smem = 4 * T * width
+        smem = 2 * 4 * T * width
         self._smem(kern, smem)
         args = (qkv, np.int32(ldq), tbl, np.int32(slot), conv_w, ab, dt_bias, ssm_a, rec, np.int32(T), np.int32(nk),
                 np.int32(nv), np.int32(dk), np.int32(dv), np.int32(kc), np.float32(eps), np.int32(1 if write_state else 0),
-                state_save)
+                state_save, qkv_save)
         return Op(label, kern, (2 * nk + nv + 1,), (FUSED_THREADS,), args, smem)
 
     def op_gdn_recur(self, label: str, tbl, n_slots: int, T: int, n_dev, out, nk: int, nv: int, dk: int,
@@ -393,6 +399,9 @@ class FusedGpu:
         return Op(label, kern, (max(1, min(-(-C // FUSED_THREADS), 1024)), n_slots), (FUSED_THREADS,), args, pdl=False)
 
     def op_gdn_out_prep(self, label: str, o, z, ldz: int, w, eps: float, nv: int, dv: int, act: ActBuffer, T: int) -> Op:
+        """z: the gate projection's int64 fixed-point sum (a MODE_ADD launch), cleared as it is read."""
+        if str(z.dtype) != "int64":
+            raise ValueError(f"{label}: z is an int64 fixed-point sum (got {z.dtype})")
         kern = self._k("fused.cu", "gdn_out_prep")
         args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.xs)
         return Op(label, kern, (T, -(-(nv * dv) // PREP_COLS)), (FUSED_THREADS,), args)

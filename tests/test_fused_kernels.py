@@ -359,13 +359,24 @@ def test_prep_rows_layout_and_norm(dev):
             assert np.array_equal(_h(xp, x_out)[1:T + 1], folded[1:T + 1]) and (_h(xp, x_out)[[0, T + 1]] == 0).all()
 
 
+def _on_fixed_grid(a):
+    """Values a fixed-point sum holds exactly (multiples of 2^-20): the kernels' float view of
+    to_fixed(a) is then a itself, so float references apply unchanged."""
+    return (np.round(np.asarray(a, np.float64) * 2.0 ** 20) / 2.0 ** 20).astype(np.float32)
+
+
+def _fx(xp, a):
+    """A fresh int64 fixed-point copy of a (the projections' sums gdn_conv / gdn_out_prep read and clear)."""
+    return xp.array(fused_ref.to_fixed(a))
+
+
 def _dn_case(rng, T, nk=2, nv=4, dk=32, dv=32, kc=4):
     C = 2 * nk * dk + nv * dv
     return dict(T=T, nk=nk, nv=nv, dk=dk, dv=dv, kc=kc, C=C,
-                qkv=rng.standard_normal((T, C)).astype(np.float32),
+                qkv=_on_fixed_grid(rng.standard_normal((T, C))),
                 state=rng.standard_normal((kc - 1, C)).astype(np.float32),
                 conv_w=(rng.standard_normal((C, kc)) / 2).astype(np.float32),
-                ab=rng.standard_normal((T, 2 * nv)).astype(np.float32),
+                ab=_on_fixed_grid(rng.standard_normal((T, 2 * nv))),
                 dt_bias=rng.standard_normal(nv).astype(np.float32),
                 ssm_a=-np.exp(rng.uniform(-1, 1, nv)).astype(np.float32),
                 S=(rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32))
@@ -384,16 +395,22 @@ def test_deltanet_conv_recurrence_and_commit(dev):
         conv_state = xp.array(c["state"])
         tbl = xp.array(np.array([fg.ptr(conv_state)], dtype=np.uint64))
         rec = xp.zeros((T, R), dtype=xp.float32)
-        args = (xp.array(c["qkv"]), C, tbl, 0, xp.array(c["conv_w"]), xp.array(c["ab"]), xp.array(c["dt_bias"]),
+        qkv_fx, ab_fx = _fx(xp, c["qkv"]), _fx(xp, c["ab"])
+        args = (qkv_fx, C, tbl, 0, xp.array(c["conv_w"]), ab_fx, xp.array(c["dt_bias"]),
                 xp.array(c["ssm_a"]), rec, T, nk, nv, dk, dv, kc, 1e-6)
         fg.op_gdn_conv("c", *args, write_state=True)()
         assert _rel(_h(xp, rec), rec_ref) <= 1e-5
         assert np.array_equal(_h(xp, conv_state), state_ref)
+        # the sums it read are cleared for the next layer's matmul
+        assert not _h(xp, qkv_fx).any() and not _h(xp, ab_fx).any()
+        with pytest.raises(ValueError, match="int64"):
+            fg.op_gdn_conv("c", xp.array(c["qkv"]), *args[1:], write_state=True)
         # a row does not depend on how many rows the launch has (verify rows = decode steps)
         rec1 = xp.zeros((1, R), dtype=xp.float32)
         cs1 = xp.array(c["state"])
         tbl1 = xp.array(np.array([fg.ptr(cs1)], dtype=np.uint64))
-        fg.op_gdn_conv("c1", xp.array(c["qkv"][:1]), C, tbl1, 0, *args[4:8], rec1, 1, *args[10:], write_state=True)()
+        fg.op_gdn_conv("c1", _fx(xp, c["qkv"][:1]), C, tbl1, 0, args[4], _fx(xp, c["ab"][:1]), *args[6:8], rec1, 1,
+                       *args[10:], write_state=True)()
         assert np.array_equal(_h(xp, rec1)[0], _h(xp, rec)[0])
 
         # recurrence: advance (in place) against the CPU recurrence
@@ -428,13 +445,14 @@ def test_deltanet_conv_recurrence_and_commit(dev):
                 fg.op_gdn_recur("a", t3, 1, n, None, xp.zeros((n, nv * dv), dtype=xp.float32), nk, nv, dk, dv)()
             assert np.array_equal(_h(xp, S2), _h(xp, S3)), f"{name}: commit of {n} tokens differs from {n} steps"
 
-        # conv commit from a verify record [kc-1+T, C]
-        record = xp.zeros((kc - 1 + T, C), dtype=xp.float32)
-        record[kc - 1:] = xp.array(c["qkv"])
+        # conv commit from a verify record [kc-1+T, C]: the state and the block's inputs, saved by gdn_conv
+        record = xp.full((kc - 1 + T, C), np.nan, dtype=xp.float32)
         cs = xp.array(c["state"])
         tbl2 = xp.array(np.array([fg.ptr(cs)], dtype=np.uint64))
-        fg.op_gdn_conv("c", record[kc - 1:], C, tbl2, 0, *args[4:], write_state=False, state_save=record)()
+        fg.op_gdn_conv("c", _fx(xp, c["qkv"]), C, tbl2, 0, args[4], _fx(xp, c["ab"]), *args[6:], write_state=False,
+                       state_save=record, qkv_save=record[kc - 1:])()
         assert np.array_equal(_h(xp, cs), c["state"])
+        assert np.array_equal(_h(xp, record), np.concatenate([c["state"], c["qkv"]], axis=0))
         tcc = xp.array(np.array([fg.ptr(record), fg.ptr(cs)], dtype=np.uint64))
         for n in (T, min(3, T - 1)):
             params[1] = n
@@ -472,7 +490,7 @@ def test_deltanet_rows_do_not_depend_on_the_launch_width(dev, dk, dv, T, nk, nv)
         cs = xp.array(c["state"])
         tbl = xp.array(np.array([fg.ptr(cs)], dtype=np.uint64))
         rec = xp.zeros((n, R), dtype=xp.float32)
-        fg.op_gdn_conv("c", xp.array(c["qkv"][:n]), C, tbl, 0, weights[0], xp.array(c["ab"][:n]), weights[2],
+        fg.op_gdn_conv("c", _fx(xp, c["qkv"][:n]), C, tbl, 0, weights[0], _fx(xp, c["ab"][:n]), weights[2],
                        weights[3], rec, n, nk, nv, dk, dv, kc, 1e-6, write_state=write_state, state_save=save)()
         return _h(xp, rec), _h(xp, cs)
 
@@ -528,12 +546,14 @@ def test_deltanet_gated_norm_prep(dev):
     rng = np.random.default_rng(4)
     T, nv, dv = 3, 4, 64
     o = rng.standard_normal((T, nv * dv)).astype(np.float32)
-    z = rng.standard_normal((T, nv * dv)).astype(np.float32)
+    z = _on_fixed_grid(rng.standard_normal((T, nv * dv)))
     w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
     act = ActBuffer(xp, nv * dv)
-    fg.op_gdn_out_prep("g", xp.array(o), xp.array(z), nv * dv, xp.array(w), 1e-6, nv, dv, act, T)()
+    z_fx = _fx(xp, z)                           # the gate projection's fixed-point sum, cleared as read
+    fg.op_gdn_out_prep("g", xp.array(o), z_fx, nv * dv, xp.array(w), 1e-6, nv, dv, act, T)()
     got = fused_ref.act_values(act.read_rows(T)[0], nv * dv)
     assert _rel(got, fused_ref.gdn_out_ref(o, z, w, 1e-6, nv, dv)) <= 1e-3
+    assert not _h(xp, z_fx).any()
 
 
 @pytest.mark.parametrize("n_past", (0, 5, 300, 1100))
