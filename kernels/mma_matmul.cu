@@ -574,6 +574,20 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // stage once all four have, so up to n_stages superblocks are in flight and no block-wide
     // barrier holds a warp behind the slowest one (a __syncthreads per stage was the largest stall
     // reason in ncu).
+    //
+    // Programmatic dependent launch: the issuer warp of T <= 8 lets the next kernel launch once it
+    // has issued all but the last MM_TRIGGER_AHEAD superblocks of its stripe (its blocks then start
+    // beside this grid's last ones and request their weights while this grid's last stages compute
+    // and exchange; they wait for this grid's end before reading what it writes). 27B decode graph,
+    // same run: 7.50 ms triggering at the end, 7.27 at the last issue, 7.22-7.25 four superblocks
+    // before it; triggered at the start of the kernel it ran 0.5 ms slower. Wider batches trigger at
+    // the end: triggering at warp 0's last issue made verify W = 23 / 32 0.1-0.6 ms slower.
+#ifndef MM_TRIGGER_AHEAD
+#define MM_TRIGGER_AHEAD 12
+#endif
+#ifndef MM_TRIGGER_WIDE
+#define MM_TRIGGER_WIDE 0
+#endif
     constexpr int ISSUER = MM_ISSUER(NT);
     constexpr bool SEPARATE = MM_SEPARATE_ISSUER(NT);
     // Wider batches (warp 0 issues and computes): a block barrier per stage, the refill of the
@@ -660,7 +674,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         }
     }
     if (SEPARATE && warp == ISSUER) {            // the issuer warp's whole job; it joins no barrier
-        while (i_f < f1) issue_next();
+        while (i_f < f1) {
+            issue_next();
+            if (i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();   // (once: repeats are no-ops)
+        }
+        trigger_dependents();                    // a stripe the prologue issued whole
         return;
     }
 
@@ -821,6 +839,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
             issue_next();
         }
+        if (MM_TRIGGER_WIDE && !SEPARATE && warp == ISSUER && i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();
         mbar_wait(&s_full[k], phase);            // this superblock has landed
         const unsigned char* st = smem + k * STAGE;
 #ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
@@ -902,9 +921,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #ifndef MM_NO_EXCHANGE
     if (tail_rb >= 0 || head_rb >= 0) finish_cuts(tail_rb, acc);
 #endif
-    // Only now may the next kernel launch: triggered at the start (its blocks then wait resident
-    // beside this grid's), the 27B decode step ran 0.5 ms slower.
-    trigger_dependents();
+    trigger_dependents();                        // wider batches: only now (MM_TRIGGER_AHEAD above)
 }
 
 #if defined(MM_QT)
