@@ -1,9 +1,9 @@
 """An upper bound for the matmul epilogues: `dflashd bench` on the 27B shape with every mm_tc launch
-(or only the residual-add ones) compiled with MM_NO_EXCHANGE, i.e. without its epilogue and the
+(or only those of one mode: the residual adds, the SwiGLU gate|up) compiled with MM_NO_EXCHANGE, i.e. without its epilogue and the
 exchange of cut row blocks. The results are wrong; only the timing means something, and only at
 T <= 8 (wider, the compiler drops the MMAs of tiles whose sums no longer reach memory).
 
-    python3 tests/bench/bench_epilogue_bound.py all|add [--synthetic-path /tmp/qwen35-27b-q4km.gguf]
+    python3 tests/bench/bench_epilogue_bound.py all|add|swiglu [--synthetic-path /tmp/qwen35-27b-q4km.gguf]
 """
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ import kernels.fused_gpu as fused_gpu     # noqa: E402
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("all", "add"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("all", "add", "swiglu"):
         sys.exit(__doc__)
     which = sys.argv[1]
     path = sys.argv[sys.argv.index("--synthetic-path") + 1] if "--synthetic-path" in sys.argv else "/tmp/qwen35-27b-q4km.gguf"
     op_mm = fused_gpu.FusedGpu.op_mm
 
     def without_epilogue(self, label, segs, act, T, mode, ws, out_act=None, variant=()):
-        if which == "all" or mode == fused_gpu.MODE_ADD:
+        if which == "all" or mode == {"add": fused_gpu.MODE_ADD, "swiglu": fused_gpu.MODE_SWIGLU}[which]:
             variant = tuple(variant) + ("MM_NO_EXCHANGE=1",)
         return op_mm(self, label, segs, act, T, mode, ws, out_act=out_act, variant=variant)
 
