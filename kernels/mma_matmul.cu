@@ -579,9 +579,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // has issued all but the last MM_TRIGGER_AHEAD superblocks of its stripe (its blocks then start
     // beside this grid's last ones and request their weights while this grid's last stages compute
     // and exchange; they wait for this grid's end before reading what it writes). 27B decode graph,
-    // same run: 7.50 ms triggering at the end, 7.27 at the last issue, 7.22-7.25 four superblocks
-    // before it; triggered at the start of the kernel it ran 0.5 ms slower. Wider batches trigger at
-    // the end: triggering at warp 0's last issue made verify W = 23 / 32 0.1-0.6 ms slower.
+    // same session: 7.50 ms triggering at the end, 7.27 at the last issue, 7.24 four superblocks
+    // before it, 7.14-7.16 from 8 to 16 and at the loop's start (an older build that triggered at
+    // the kernel's start ran 0.5 ms slower). Wider batches trigger at the end: triggering at warp
+    // 0's last issue made verify W = 16-32 0.1-0.6 ms slower.
 #ifndef MM_TRIGGER_AHEAD
 #define MM_TRIGGER_AHEAD 12
 #endif
