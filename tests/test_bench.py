@@ -130,3 +130,28 @@ def test_gdn_bench_script_runs_on_the_emulator():
     for kernel, mode in (("gdn_conv", "verify"), ("gdn_conv", "advance"), ("gdn_recur", "verify"),
                          ("gdn_recur", "advance"), ("gdn_recur", "commit")):
         assert sum(line.split()[:2] == [kernel, mode] and " us" in line for line in lines) == 3, r.stdout
+
+
+def test_drop_ops_script_leaves_out_only_the_named_kinds():
+    """tests/bench/bench_drop_ops.py times the step without some launches: its plan filter must drop
+    every layer's launches of the named kinds (matched without the layer prefix) and nothing else."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("bench_drop_ops", root / "tests" / "bench" / "bench_drop_ops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Op:
+        def __init__(self, label):
+            self.label = label
+
+    class Step:
+        def _plan(self, T, mode):
+            return [Op("embed")] + [Op(f"blk.{i}.{k}") for i in range(3) for k in ("gdn_conv", "gdn_recur",
+                                                                                  "mm ssm_out Q4_K")]
+
+    seen = mod.drop_from_plans(Step, {"gdn_recur", "mm ssm_out Q4_K", "attn_partial"})
+    labels = [op.label for op in Step()._plan(1, "advance")]
+    assert labels == ["embed", "blk.0.gdn_conv", "blk.1.gdn_conv", "blk.2.gdn_conv"]
+    assert seen == {"gdn_recur", "mm ssm_out Q4_K"}
