@@ -495,7 +495,7 @@ class _Residual:
 
 
 class _ZeroOp:
-    """Arrays set to zero on the device (the residual accumulators at the start of a step)."""
+    """Arrays set to zero on the device (every fixed-point sum of the step, at its start)."""
 
     def __init__(self, label: str, arrays):
         self.label, self.arrays = label, list(arrays)

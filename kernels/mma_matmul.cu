@@ -586,9 +586,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #ifndef MM_TRIGGER_AHEAD
 #define MM_TRIGGER_AHEAD 12
 #endif
-#ifndef MM_TRIGGER_WIDE
-#define MM_TRIGGER_WIDE 0
-#endif
     constexpr int ISSUER = MM_ISSUER(NT);
     constexpr bool SEPARATE = MM_SEPARATE_ISSUER(NT);
     // Wider batches (warp 0 issues and computes): a block barrier per stage, the refill of the
@@ -840,7 +837,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
             issue_next();
         }
-        if (MM_TRIGGER_WIDE && !SEPARATE && warp == ISSUER && i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();
         mbar_wait(&s_full[k], phase);            // this superblock has landed
         const unsigned char* st = smem + k * STAGE;
 #ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
