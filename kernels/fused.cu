@@ -109,18 +109,16 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     __shared__ float vals[PREP_COLS];
     __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
-    grid_dependency_wait();
     const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
     const int count = min(PREP_COLS, K - n0);
     const size_t r0 = (size_t)(row0 + t) * ld_x;
     const float* xr = x + r0;
     const long long* ar = acc != nullptr ? acc + r0 : nullptr;
+    const float wv = ((int)threadIdx.x < count && norm && w != nullptr) ? w[n0 + threadIdx.x] : 1.0f;  // before the wait
+    grid_dependency_wait();
     // This block's own columns are requested first, so that their loads overlap the reduction's.
-    float v = 0.0f, wv = 1.0f;
-    if ((int)threadIdx.x < count) {
-        v = fold_fixed(xr[n0 + threadIdx.x], ar, n0 + threadIdx.x);
-        if (norm && w != nullptr) wv = w[n0 + threadIdx.x];
-    }
+    float v = 0.0f;
+    if ((int)threadIdx.x < count) v = fold_fixed(xr[n0 + threadIdx.x], ar, n0 + threadIdx.x);
     float inv = 1.0f;
     if (norm) {
         // The row's sum of squares: 16-byte loads, eight per thread in flight (a 5120-wide row in
@@ -187,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
 // block's inputs ([T][C], as floats) are copied into the layer's verify record [Kc-1+T][C], so that
 // gdn_commit_conv can rebuild the state after any prefix from the record alone.
 // grid: 2*nk + nv + 1 blocks (q heads, k heads, v heads, one for the gates); dynamic smem
-// 2*T*width floats.
+// (2*T + 2*Kc - 1) * width floats.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     long long* __restrict__ qkv, int ldq, const unsigned long long* __restrict__ tbl, int slot,
     const float* __restrict__ conv_w, long long* __restrict__ ab, const float* __restrict__ dt_bias,
@@ -195,11 +193,11 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     float eps, int write_state, float* __restrict__ state_save, float* __restrict__ qkv_save) {
     DYN_SMEM(float, sm);
     trigger_dependents();   // the next launch may start (it waits for us before reading)
-    grid_dependency_wait();
     const int b = blockIdx.x;
     const int C = 2 * nk * dk + nv * dv;
     const int R = C + 2 * nv;
     if (b == 2 * nk + nv) {              // gates
+        grid_dependency_wait();
         for (int i = threadIdx.x; i < T * nv; i += blockDim.x) {
             const int t = i / nv, h = i % nv;
             long long* pa = ab + (size_t)t * 2 * nv + h;
@@ -221,6 +219,20 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     float* state = (float*)tbl[slot];
     float* sx = sm + T * width;          // the block's inputs X[K1 + t] = qkv[t], as floats
     const int K1 = Kc - 1;
+    float* s_old = sx + T * width;       // the conv state of the block's channels [K1][width]
+    float* s_w = s_old + K1 * width;     // their taps [width][Kc]
+    // Before the wait: the conv state is written by no earlier launch of the step (only by this
+    // one, below, or by a graph that ran before), the taps by none, so their loads overlap the
+    // end of the projections' matmul. Verify keeps the old state in its record from here.
+    for (int e = threadIdx.x; e < K1 * width; e += blockDim.x) {
+        const int j = e / width, i = e - j * width;
+        const float v = state[(size_t)j * C + ch0 + i];
+        s_old[e] = v;
+        if (state_save != nullptr) state_save[(size_t)j * C + ch0 + i] = v;
+    }
+    for (int e = threadIdx.x; e < width * Kc; e += blockDim.x) s_w[e] = conv_w[(size_t)ch0 * Kc + e];
+    __syncthreads();
+    grid_dependency_wait();
     // One (token, channel) output per item, summed over its Kc inputs X[t .. t + Kc-1] of
     // X = [state; qkv] in tap order: the items are independent, so all their loads are in flight
     // at once (a token loop per channel waited on one load per token), and each is computed the
@@ -232,8 +244,8 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
         for (int j = 0; j < 8; ++j) {
             if (j < Kc) {
                 const int r = t + j;
-                const float xv = r < K1 ? state[(size_t)r * C + ch] : fixed_to_float(qkv[(size_t)(r - K1) * ldq + ch]);
-                const float wv = conv_w[(size_t)ch * Kc + j];
+                const float xv = r < K1 ? s_old[r * width + i] : fixed_to_float(qkv[(size_t)(r - K1) * ldq + ch]);
+                const float wv = s_w[i * Kc + j];
                 y = j == 0 ? xv * wv : fmaf(xv, wv, y);
                 if (j == K1) sx[t * width + i] = xv;
             }
@@ -250,11 +262,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
         const int ch = ch0 + i;
         float old[7];
 #pragma unroll
-        for (int j = 0; j < 7; ++j) old[j] = j < K1 ? state[(size_t)j * C + ch] : 0.0f;
-        if (state_save != nullptr)
-#pragma unroll
-            for (int j = 0; j < 7; ++j)
-                if (j < K1) state_save[(size_t)j * C + ch] = old[j];
+        for (int j = 0; j < 7; ++j) old[j] = j < K1 ? s_old[j * width + i] : 0.0f;
         if (write_state) {
             float nw[7];                 // X[T .. T + Kc-2]: the last Kc-1 inputs
 #pragma unroll
@@ -312,13 +320,11 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
     __shared__ float sv[GDN_CHUNK][GDN_COLS], sdecay[GDN_CHUNK], sbeta[GDN_CHUNK];
     constexpr int DKP = GDN_PARTS * RPT;         // staged row length (zero past dk)
     trigger_dependents();   // the next launch may start (it waits for us before reading)
-    grid_dependency_wait();
     const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
     const float* rec = (const float*)tbl[4 * z + 0];
     const float* S_in = (const float*)tbl[4 * z + 1] + (size_t)h * dk * dv;
     float* S_out = tbl[4 * z + 2] ? (float*)tbl[4 * z + 2] + (size_t)h * dk * dv : nullptr;
     float* S_bak = tbl[4 * z + 3] ? (float*)tbl[4 * z + 3] + (size_t)h * dk * dv : nullptr;
-    if (n_dev != nullptr) T = n_dev[0];
     const int C = 2 * nk * dk + nv * dv, R = C + 2 * nv;
     const int lcol = threadIdx.x / GDN_PARTS;
     const int col = blockIdx.x * GDN_COLS + lcol;
@@ -338,6 +344,11 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
             if (i < dk) S_bak[(size_t)i * dv + col] = s[ii];
         }
     }
+    // Only now the wait: the state (and its backup) is written by no earlier launch of the step,
+    // only by this one (advance) or by a graph that ran before (commit reads verify's backup), so
+    // its loads from DRAM overlap the end of gdn_conv instead of following it.
+    grid_dependency_wait();
+    if (n_dev != nullptr) T = n_dev[0];
     for (int c0 = 0; c0 < T; c0 += GDN_CHUNK) {
         const int n = min(GDN_CHUNK, T - c0);
         __syncthreads();                                // the previous chunk's reads are done
@@ -403,19 +414,19 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     __shared__ float vals[PREP_COLS];
     __shared__ float inv_h[PREP_COLS + 1];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
-    grid_dependency_wait();
     const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
     const int K = nv * dv, count = min(PREP_COLS, K - n0);
     const int h0 = n0 / dv, h1 = (n0 + count - 1) / dv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const float* ot = o + (size_t)t * K;
-    float zv = 0.0f, ov = 0.0f, wv = 0.0f;      // this thread's column, requested before the norms
+    const float wv = (int)threadIdx.x < count ? w[(n0 + threadIdx.x) % dv] : 0.0f;   // a weight: before the wait
+    grid_dependency_wait();
+    float zv = 0.0f, ov = 0.0f;                  // this thread's column, requested before the norms
     if ((int)threadIdx.x < count) {
         const int n = n0 + threadIdx.x;
         zv = fixed_to_float(zb[(size_t)t * ldz + n]);
         zb[(size_t)t * ldz + n] = 0;             // read: cleared for the next layer's matmul
         ov = ot[n];
-        wv = w[n % dv];
     }
     for (int h = h0 + warp; h <= h1; h += n_warps) {
         float ss = 0.0f;
@@ -438,13 +449,19 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
 // Writes q (normed, rotated) to qout[T][H][D] and k (normed, rotated) / v into the cache of the
 // bound state: tbl[slot] k_cache [Hkv][ctx][D], tbl[slot+1] v_cache, tbl[slot+2] = ctx.
 // Position of row t: params[0] + t. grid (H + 2*Hkv, T), block >= D threads (D <= 256).
-__device__ __forceinline__ float rope_one(const float* xs, int i, int D, int n_rot, double pos, double theta) {
+__device__ __forceinline__ void rope_angle(int i, int n_rot, double pos, double theta, float* cs, float* sn) {
     const int half = n_rot >> 1;
-    if (i >= n_rot) return xs[i];
     const int j = i < half ? i : i - half;
     const double inv_freq = pow(theta, (-2.0 * (double)j) / (double)n_rot);
     const float angle = (float)fmod(pos * inv_freq, 6.283185307179586);
-    const float cs = cosf(angle), sn = sinf(angle);
+    *cs = cosf(angle);
+    *sn = sinf(angle);
+}
+// Element i (< D) of the rotated row xs; cs / sn: rope_angle of i (unused past n_rot).
+__device__ __forceinline__ float rope_one(const float* xs, int i, int n_rot, float cs, float sn) {
+    const int half = n_rot >> 1;
+    if (i >= n_rot) return xs[i];
+    const int j = i < half ? i : i - half;
     const float x1 = xs[j], x2 = xs[j + half];
     return i < half ? x1 * cs - x2 * sn : x1 * sn + x2 * cs;
 }
@@ -457,8 +474,10 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
     __shared__ float xsm[256];
     __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
-    grid_dependency_wait();
     const int hh = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    // The position (the params block: written by the host before the graph), the table, the norm
+    // weight and the rotation are known before the wait; the rotation's pow / fmod / sincos then
+    // overlap the end of the q|k|v matmul.
     const int pos = params[0] + t;
     const int ctx = (int)tbl[slot + 2];
     const float* src;
@@ -468,16 +487,21 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
     else {
         const int kvh = hh - H - Hkv;
         float* vc = (float*)tbl[slot + 1];
+        grid_dependency_wait();
         if (i < D) vc[((size_t)kvh * ctx + pos) * D + i] = vb[(size_t)t * Hkv * D + (size_t)kvh * D + i];
         return;
     }
+    const float wn = i < D ? nw[i] : 0.0f;
+    float cs = 1.0f, sn = 0.0f;
+    if (i < n_rot) rope_angle(i, n_rot, (double)pos, theta, &cs, &sn);
+    grid_dependency_wait();
     const float v = i < D ? src[i] : 0.0f;
     const float ss = block_sum(v * v, red);
     const float inv = (float)(1.0 / sqrt((double)ss / (double)D + (double)eps));
-    if (i < D) xsm[i] = (v * inv) * nw[i];
+    if (i < D) xsm[i] = (v * inv) * wn;
     __syncthreads();
     if (i < D) {
-        const float r = rope_one(xsm, i, D, n_rot, (double)pos, theta);
+        const float r = rope_one(xsm, i, n_rot, cs, sn);
         if (hh < H) qout[((size_t)t * H + hh) * D + i] = r;
         else {
             float* kc = (float*)tbl[slot];

@@ -376,7 +376,7 @@ class FusedGpu:
             raise ValueError(f"{label}: qkv and ab are int64 fixed-point sums (got {qkv.dtype}, {ab.dtype})")
         kern = self._k("fused.cu", "gdn_conv")
         width = max(dk, dv)
-        smem = 2 * 4 * T * width
+        smem = 4 * (2 * T + 2 * kc - 1) * width          # outputs, inputs, old state, taps (fused.cu)
         self._smem(kern, smem)
         args = (qkv, np.int32(ldq), tbl, np.int32(slot), conv_w, ab, dt_bias, ssm_a, rec, np.int32(T), np.int32(nk),
                 np.int32(nv), np.int32(dk), np.int32(dv), np.int32(kc), np.float32(eps), np.int32(1 if write_state else 0),

@@ -302,8 +302,11 @@ __device__ __forceinline__ void compute_warps_sync(int n_threads) {
 
 // Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
 // attribute may start while its predecessor drains; it must call grid_dependency_wait() before
-// reading anything the predecessor writes. Everything before the wait may only read data no kernel
-// of the step writes (weights). Without the attribute (or on HIP / older GPUs) the wait is a no-op.
+// reading anything the predecessor writes. Everything before the wait may only read data that no
+// earlier kernel of the step writes: weights, the params block and state table (host-written before
+// the graph), and state that only this launch writes in a step (a DeltaNet layer's conv and
+// recurrent state), since the launches before it may still run. Without the attribute (or on HIP /
+// older GPUs) the wait is a no-op.
 #if !defined(DFLASH_EMU)
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(__HIP_PLATFORM_AMD__)
