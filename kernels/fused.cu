@@ -93,19 +93,82 @@ __device__ void prep_cols(const float* vals, int n0, int count, int t, u16* __re
 // ---------------------------------------------------------------------------------------------
 // prep_rows: row t of the output comes from x[(row0 + t) * ld_x]. norm = 1: RMSNorm with weight w
 // (w may be null), 0: values as they are, into row t of the activation buffer out16 / outxs.
-// grid (rows, ceil(K / 256)): each block writes 256 columns; with norm, each computes the row's
-// sum of squares itself (the same fixed order in every block).
+// grid (rows, ceil(K / cols)): each block writes `cols` columns; with norm, each computes the row's
+// sum of squares itself (the same fixed order in every block, so the split never changes a bit).
+// Two builds of one computation: prep_rows (cols = 256, PREP_COLS) requests its own columns before
+// the sum of squares, so that their loads overlap the reduction's (what a decode step's few rows
+// need); prep_rows_wide (cols a multiple of 256 up to PREP_MAX_COLS, for wide batches: see
+// kernels/fused_gpu.py prep_block_cols) keeps its columns from the sum-of-squares pass instead,
+// because every block reads the whole row and its accumulator (60 KB at the 27B's 5120 columns)
+// and 23 rows x 20 blocks of 256 columns made that 28 MB of L2 reads a launch.
 // acc (may be null): the residual's pending fixed-point sum (mm_tc MODE_ADD), same layout as x:
 // every value read is x + fixed_to_float(acc). The block then writes its columns of that sum to
 // x_out (the residual's other buffer: other blocks of this launch still read x and acc whole) and
 // zeroes its columns of acc_zero (the accumulator the next ADD adds into), either may be null.
+#define PREP_MAX_COLS 1024
 __device__ __forceinline__ float fold_fixed(float x, const long long* a, int i) {
     return a != nullptr ? x + fixed_to_float(a[i]) : x;
 }
+
+// The sum of squares of row xr (+ ar) over K columns, to every thread (one fixed order). KEEP:
+// also store columns c0 .. c0 + n_own of the folded row into own[] (visible after the call).
+template <bool KEEP>
+__device__ __forceinline__ float row_sum_squares(const float* xr, const long long* ar, int K, float* red,
+                                                 float* own, int c0, int n_own) {
+    float ss = 0.0f;
+    if ((K & 3) == 0 && (((size_t)xr) & 15) == 0 && (((size_t)ar) & 15) == 0) {
+        // 16-byte loads, eight per thread in flight (a 5120-wide row in one round trip instead of
+        // five), the accumulator's alongside.
+        const float4* x4 = (const float4*)xr;
+        const longlong2* a2 = (const longlong2*)ar;
+        const int n4 = K >> 2;
+        for (int base = 0; base < n4; base += 8 * blockDim.x) {
+            float4 q[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * blockDim.x + threadIdx.x;
+                q[u] = i < n4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+            if (ar != nullptr) {
+                longlong2 a[8][2];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int i = base + u * blockDim.x + threadIdx.x;
+                    a[u][0] = i < n4 ? a2[2 * i] : make_longlong2(0, 0);
+                    a[u][1] = i < n4 ? a2[2 * i + 1] : make_longlong2(0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    q[u].x += fixed_to_float(a[u][0].x);
+                    q[u].y += fixed_to_float(a[u][0].y);
+                    q[u].z += fixed_to_float(a[u][1].x);
+                    q[u].w += fixed_to_float(a[u][1].y);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                ss += (q[u].x * q[u].x + q[u].y * q[u].y) + (q[u].z * q[u].z + q[u].w * q[u].w);
+                if (KEEP) {
+                    const int j = 4 * (base + u * (int)blockDim.x + (int)threadIdx.x) - c0;
+                    if (j >= 0 && j < n_own) *(float4*)(own + j) = q[u];   // c0, n_own: multiples of 4 here
+                }
+            }
+        }
+    } else {
+#pragma unroll 8
+        for (int i = threadIdx.x; i < K; i += blockDim.x) {
+            const float f = fold_fixed(xr[i], ar, i);
+            ss += f * f;
+            if (KEEP && i >= c0 && i < c0 + n_own) own[i - c0] = f;
+        }
+    }
+    return block_sum(ss, red);                   // (its barriers also publish own[])
+}
+
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
     u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc, float* __restrict__ x_out,
-    long long* __restrict__ acc_zero) {
+    long long* __restrict__ acc_zero, int cols) {
     __shared__ float vals[PREP_COLS];
     __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -121,47 +184,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     if ((int)threadIdx.x < count) v = fold_fixed(xr[n0 + threadIdx.x], ar, n0 + threadIdx.x);
     float inv = 1.0f;
     if (norm) {
-        // The row's sum of squares: 16-byte loads, eight per thread in flight (a 5120-wide row in
-        // one round trip instead of five), the accumulator's alongside.
-        float ss = 0.0f;
-        if ((K & 3) == 0 && (((size_t)xr) & 15) == 0 && (((size_t)ar) & 15) == 0) {
-            const float4* x4 = (const float4*)xr;
-            const longlong2* a2 = (const longlong2*)ar;
-            const int n4 = K >> 2;
-            for (int base = 0; base < n4; base += 8 * blockDim.x) {
-                float4 q[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int i = base + u * blockDim.x + threadIdx.x;
-                    q[u] = i < n4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-                if (ar != nullptr) {
-                    longlong2 a[8][2];
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        const int i = base + u * blockDim.x + threadIdx.x;
-                        a[u][0] = i < n4 ? a2[2 * i] : make_longlong2(0, 0);
-                        a[u][1] = i < n4 ? a2[2 * i + 1] : make_longlong2(0, 0);
-                    }
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        q[u].x += fixed_to_float(a[u][0].x);
-                        q[u].y += fixed_to_float(a[u][0].y);
-                        q[u].z += fixed_to_float(a[u][1].x);
-                        q[u].w += fixed_to_float(a[u][1].y);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < 8; ++u) ss += (q[u].x * q[u].x + q[u].y * q[u].y) + (q[u].z * q[u].z + q[u].w * q[u].w);
-            }
-        } else {
-#pragma unroll 8
-            for (int i = threadIdx.x; i < K; i += blockDim.x) {
-                const float f = fold_fixed(xr[i], ar, i);
-                ss += f * f;
-            }
-        }
-        ss = block_sum(ss, red);
+        const float ss = row_sum_squares<false>(xr, ar, K, red, nullptr, 0, 0);
         inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
     }
     if ((int)threadIdx.x < count) {
@@ -171,6 +194,44 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     }
     __syncthreads();
     prep_cols(vals, n0, count, t, out16, outxs);
+}
+
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows_wide(
+    const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
+    u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc, float* __restrict__ x_out,
+    long long* __restrict__ acc_zero, int cols) {
+    constexpr int CHUNKS = PREP_MAX_COLS / FUSED_THREADS;
+    __shared__ __align__(16) float own[PREP_MAX_COLS];   // this block's columns: x + acc, then the outputs
+    __shared__ float red[33];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
+    const int t = blockIdx.x, c0 = blockIdx.y * cols, n_own = min(cols, K - c0);
+    const size_t r0 = (size_t)(row0 + t) * ld_x;
+    const float* xr = x + r0;
+    const long long* ar = acc != nullptr ? acc + r0 : nullptr;
+    float wv[CHUNKS];                            // the weights of this thread's columns: before the wait
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+        const int j = k * FUSED_THREADS + (int)threadIdx.x;
+        wv[k] = (norm && w != nullptr && j < n_own) ? w[c0 + j] : 1.0f;
+    }
+    grid_dependency_wait();
+    float inv = 1.0f;
+    if (norm) {
+        const float ss = row_sum_squares<true>(xr, ar, K, red, own, c0, n_own);
+        inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
+    }
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+        const int j = k * FUSED_THREADS + (int)threadIdx.x;
+        if (j < n_own) {                         // a thread reads and rewrites only its own columns
+            const float v = norm ? own[j] : fold_fixed(xr[c0 + j], ar, c0 + j);
+            own[j] = norm ? v * inv * wv[k] : v;
+            if (x_out != nullptr) x_out[r0 + c0 + j] = v;
+            if (acc_zero != nullptr) acc_zero[r0 + c0 + j] = 0;
+        }
+    }
+    __syncthreads();
+    prep_cols(own, c0, n_own, t, out16, outxs);
 }
 
 // ---------------------------------------------------------------------------------------------

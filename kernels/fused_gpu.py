@@ -52,6 +52,19 @@ MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per m
 MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 
 
+PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
+PREP_MAX_COLS = 1024                # prep_rows: columns one block writes at most (fused.cu)
+
+
+def prep_block_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int:
+    """Columns per block of a prep_rows launch over n_rows rows of K: 256 (PREP_COLS) while the
+    launch has at most PREP_BLOCKS blocks, wider for more rows (up to PREP_MAX_COLS), since every
+    block reads its whole row for the sum of squares; col_blocks asks for that many blocks a row."""
+    chunks = -(-K // PREP_COLS)
+    per = -(-chunks // col_blocks) if col_blocks else max(1, -(-(n_rows * chunks) // PREP_BLOCKS))
+    return min(per, chunks, PREP_MAX_COLS // PREP_COLS) * PREP_COLS
+
+
 def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
     """Dynamic shared memory of an mm_tc launch of T rows (mma_matmul.cu MmGeom: stages x stage)."""
     has_min = qtype in (12, 13)
@@ -341,17 +354,20 @@ class FusedGpu:
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,
-                     n_rows: int, acc=None, x_out=None, acc_zero=None) -> Op:
+                     n_rows: int, acc=None, x_out=None, acc_zero=None, col_blocks: int | None = None) -> Op:
         """Rows row0.. of x (RMSNorm'd when norm) into act. acc: the residual's pending fixed-point
         sum (int64, x's layout; MODE_ADD launches add into it), folded into every value read; the
-        folded rows then go to x_out and acc_zero's rows are cleared (either may be None)."""
+        folded rows then go to x_out and acc_zero's rows are cleared (either may be None).
+        col_blocks: blocks per row (default: prep_block_cols' choice by the number of rows); any
+        split gives the same bits."""
         for a, dt in ((acc, "int64"), (acc_zero, "int64"), (x_out, "float32")):
             if a is not None and str(a.dtype) != dt:
                 raise ValueError(f"{label}: {dt} buffer expected, got {a.dtype}")
-        kern = self._k("fused.cu", "prep_rows")
+        cols = prep_block_cols(K, n_rows, col_blocks)
+        kern = self._k("fused.cu", "prep_rows" if cols == PREP_COLS else "prep_rows_wide")
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
-                act.x16, act.xs, acc, x_out, acc_zero)
-        return Op(label, kern, (n_rows, -(-K // PREP_COLS)), (FUSED_THREADS,), args)
+                act.x16, act.xs, acc, x_out, acc_zero, np.int32(cols))
+        return Op(label, kern, (n_rows, -(-K // cols)), (FUSED_THREADS,), args)
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
         """out[0:T] = rows ids_dev[0:T] of the raw GGUF embedding (kernels.cuda_backend.GpuWeight)."""

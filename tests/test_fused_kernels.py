@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from kernels import fused_ref, ggml_quants
-from kernels.fused_gpu import (ATT_SPLITS, MODE_ADD, MODE_STORE, MODE_SWIGLU, ActBuffer, FusedGpu, MmWorkspace)
+from kernels.fused_gpu import (ATT_SPLITS, MODE_ADD, MODE_STORE, MODE_SWIGLU, ActBuffer, FusedGpu, MmWorkspace,
+                               prep_block_cols)
 from tests.emu import emu_unavailable_reason
 from tests.gpu_helpers import NO_GPU
 
@@ -357,6 +358,42 @@ def test_prep_rows_layout_and_norm(dev):
             got16 = act.read_rows(T)
             assert np.array_equal(got16[0], exp16[0]) and np.array_equal(got16[1], exp16[1])
             assert np.array_equal(_h(xp, x_out)[1:T + 1], folded[1:T + 1]) and (_h(xp, x_out)[[0, T + 1]] == 0).all()
+
+
+def test_prep_rows_column_split_changes_no_bit(dev):
+    """Wide batches run prep_rows with fewer, wider column blocks (each block reads its whole row for
+    the sum of squares): every split, from one block a row to one per 256 columns, must give the same
+    act16 rows, block sums, folded x_out and cleared accumulator, so that a row's bits never depend
+    on the width it was decoded at."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(8)
+    for K, T in ((1024, 1), (1024, 3), (1032, 2), (5120, 2)):
+        n_chunks = -(-K // 256)
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        w = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+        acc = fused_ref.to_fixed(rng.standard_normal((T, K)).astype(np.float32))
+        ref = fused_ref.prep_rows_ref(x + fused_ref.fixed_values(acc), w, 1e-6, True)
+        for aligned in (True, False):            # 16-byte rows: the vector sum of squares; else the scalar one
+            results = []
+            for col_blocks in sorted({-(-n_chunks // 4), 2, 3, n_chunks}):     # 1024 to 256 columns a block
+                act = ActBuffer(xp, K)
+                x_out = xp.zeros((T, K), dtype=xp.float32)
+                nxt = xp.full((T, K), 5, dtype=xp.int64)
+                xin = xp.array(x) if aligned else xp.concatenate([xp.zeros(1, xp.float32), xp.array(x).ravel()])[1:]
+                op = fg.op_prep_rows("p", xin.reshape(T, K), K, 0, xp.array(w), 1e-6, K, True, act, T,
+                                     acc=xp.array(acc), x_out=x_out, acc_zero=nxt, col_blocks=col_blocks)
+                assert op.grid[1] == -(-K // prep_block_cols(K, T, col_blocks))
+                op()
+                g16, gxs = act.read_rows(T)
+                results.append((g16.copy(), gxs.copy(), _h(xp, x_out).copy()))
+                assert (_h(xp, nxt) == 0).all(), f"col_blocks={col_blocks}: the next accumulator not cleared"
+            for r in results[1:]:
+                assert all(np.array_equal(a, b) for a, b in zip(r, results[0])), f"K={K} T={T}: the split changed bits"
+            assert np.array_equal(results[0][2], x + fused_ref.fixed_values(acc))
+            assert _rel(fused_ref.act_values(results[0][0], K), ref) <= 1e-3
+    # the default split widens blocks with the rows: 20 a row at T = 1, 5 at T = 23 (5120 columns)
+    assert prep_block_cols(5120, 1) == 256 and prep_block_cols(5120, 23) == 1024 and prep_block_cols(32, 23) == 256
 
 
 def _on_fixed_grid(a):
