@@ -361,25 +361,32 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 // gdn_recur. Per layer slot z (grid.z): tbl[4z + 0] rec[T][R] (gdn_conv's output), [1] the state
 // read (d_k x d_v per head), [2] the state written (0: none), [3] a copy of the state read (0: none).
 // T = *n_dev when n_dev is not null (commit: n_keep from the params block). out [T][nv*dv] may be
-// null (commit). Mapping and token step as kernels/deltanet.cu (kernels/deltanet_step.cuh): a block
-// owns 32 value columns of one head, each column's rows split over 4 adjacent threads; the inputs
-// of GDN_CHUNK tokens are staged in shared memory at once (one round of loads per chunk, not per
-// token). The arithmetic of a token does not depend on T, so verify rows equal decode steps.
+// null (commit). Mapping and token step as kernels/deltanet.cu (kernels/deltanet_step.cuh), with
+// GDN_PARTS = 8 lanes a column instead of 4: a block owns 32 value columns of one head (256
+// threads), each column's rows split over 8 adjacent threads, so that a token's dependent chain of
+// FMAs per thread is half as long (the recurrence of a verify block is that chain, token after
+// token, with ~2 warps a scheduler). The inputs of up to GDN_CHUNK tokens are staged in shared
+// memory at once (dynamic, sized by T: fused_gpu.py gdn_recur_smem), one round of loads for a
+// whole verify block. The arithmetic of a token does not depend on T, so verify rows equal decode
+// steps.
 #define DN_SHFL_XOR(v, m) shfl_xor(v, m)
 #include "deltanet_step.cuh"
 #define GDN_COLS 32
-#define GDN_PARTS DN_PARTS
-#define GDN_CHUNK 8
-#define GDN_MAX_DK (GDN_PARTS * 64)
+#define GDN_PARTS 8
+#define GDN_CHUNK 32
+#define GDN_THREADS (GDN_COLS * GDN_PARTS)
 
 template <int RPT>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
                                                const int* __restrict__ n_dev, float* __restrict__ out,
-                                               int nk, int nv, int dk, int dv, float scale) {
-    __shared__ __align__(16) float sq[GDN_CHUNK][GDN_MAX_DK];
-    __shared__ __align__(16) float sk[GDN_CHUNK][GDN_MAX_DK];
-    __shared__ float sv[GDN_CHUNK][GDN_COLS], sdecay[GDN_CHUNK], sbeta[GDN_CHUNK];
+                                               int nk, int nv, int dk, int dv, float scale, int chunk) {
     constexpr int DKP = GDN_PARTS * RPT;         // staged row length (zero past dk)
+    DYN_SMEM(float, rsm);                        // [chunk][DKP] q, [chunk][DKP] k, [chunk][32] v, decay, beta
+    float* sq = rsm;
+    float* sk = sq + chunk * DKP;
+    float* sv = sk + chunk * DKP;
+    float* sdecay = sv + chunk * GDN_COLS;
+    float* sbeta = sdecay + chunk;
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
     const float* rec = (const float*)tbl[4 * z + 0];
@@ -395,13 +402,13 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
     float s[RPT];
 #pragma unroll
     for (int ii = 0; ii < RPT; ++ii) {                  // all loads first: a store in between could alias
-        const int i = dn_row<RPT>(part, ii);
+        const int i = dn_row<RPT, GDN_PARTS>(part, ii);
         s[ii] = (col_ok && i < dk) ? S_in[(size_t)i * dv + col] : 0.0f;
     }
     if (S_bak != nullptr && col_ok) {
 #pragma unroll
         for (int ii = 0; ii < RPT; ++ii) {
-            const int i = dn_row<RPT>(part, ii);
+            const int i = dn_row<RPT, GDN_PARTS>(part, ii);
             if (i < dk) S_bak[(size_t)i * dv + col] = s[ii];
         }
     }
@@ -410,48 +417,51 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
     // its loads from DRAM overlap the end of gdn_conv instead of following it.
     grid_dependency_wait();
     if (n_dev != nullptr) T = n_dev[0];
-    for (int c0 = 0; c0 < T; c0 += GDN_CHUNK) {
-        const int n = min(GDN_CHUNK, T - c0);
+    for (int c0 = 0; c0 < T; c0 += chunk) {
+        const int n = min(chunk, T - c0);
         __syncthreads();                                // the previous chunk's reads are done
-        for (int e = threadIdx.x; e < n * DKP; e += GDN_COLS * GDN_PARTS) {
+#pragma unroll 4
+        for (int e = threadIdx.x; e < n * DKP; e += GDN_THREADS) {
             const int tt = e / DKP, i = e - tt * DKP;
             const float* rt = rec + (size_t)(c0 + tt) * R;
-            sq[tt][i] = i < dk ? rt[kh * dk + i] : 0.0f;
-            sk[tt][i] = i < dk ? rt[nk * dk + kh * dk + i] : 0.0f;
+            sq[tt * DKP + i] = i < dk ? rt[kh * dk + i] : 0.0f;
+            sk[tt * DKP + i] = i < dk ? rt[nk * dk + kh * dk + i] : 0.0f;
         }
-        for (int e = threadIdx.x; e < n * GDN_COLS; e += GDN_COLS * GDN_PARTS) {
+        for (int e = threadIdx.x; e < n * GDN_COLS; e += GDN_THREADS) {
             const int tt = e / GDN_COLS, lc = e - tt * GDN_COLS, cc = blockIdx.x * GDN_COLS + lc;
-            sv[tt][lc] = cc < dv ? rec[(size_t)(c0 + tt) * R + 2 * nk * dk + h * dv + cc] : 0.0f;
+            sv[tt * GDN_COLS + lc] = cc < dv ? rec[(size_t)(c0 + tt) * R + 2 * nk * dk + h * dv + cc] : 0.0f;
         }
-        if (threadIdx.x < n) {
+        if ((int)threadIdx.x < n) {
             const float* rt = rec + (size_t)(c0 + threadIdx.x) * R;
             sdecay[threadIdx.x] = expf(rt[C + h]);
             sbeta[threadIdx.x] = rt[C + nv + h];
         }
         __syncthreads();
         for (int tt = 0; tt < n; ++tt) {
-            const float o = dn_token<RPT>(s, sk[tt], sq[tt], sv[tt][lcol], sdecay[tt], sbeta[tt], part);
+            const float o = dn_token<RPT, GDN_PARTS>(s, sk + tt * DKP, sq + tt * DKP, sv[tt * GDN_COLS + lcol],
+                                                     sdecay[tt], sbeta[tt], part);
             if (out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
         }
     }
     if (S_out != nullptr && col_ok) {
 #pragma unroll
         for (int ii = 0; ii < RPT; ++ii) {
-            const int i = dn_row<RPT>(part, ii);
+            const int i = dn_row<RPT, GDN_PARTS>(part, ii);
             if (i < dk) S_out[(size_t)i * dv + col] = s[ii];
         }
     }
 }
 
 #define GDN_ARGS const unsigned long long* __restrict__ tbl, int T, const int* __restrict__ n_dev, \
-                 float* __restrict__ out, int nk, int nv, int dk, int dv, float scale
-#define GDN_CALL tbl, T, n_dev, out, nk, nv, dk, dv, scale
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r2(GDN_ARGS) { gdn_recur_impl<2>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r8(GDN_ARGS) { gdn_recur_impl<8>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r16(GDN_ARGS) { gdn_recur_impl<16>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r32(GDN_ARGS) { gdn_recur_impl<32>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_COLS * GDN_PARTS, 1) gdn_recur_r64(GDN_ARGS) { gdn_recur_impl<64>(GDN_CALL); }
+                 float* __restrict__ out, int nk, int nv, int dk, int dv, float scale, int chunk
+#define GDN_CALL tbl, T, n_dev, out, nk, nv, dk, dv, scale, chunk
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r1(GDN_ARGS) { gdn_recur_impl<1>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r4(GDN_ARGS) { gdn_recur_impl<4>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r8(GDN_ARGS) { gdn_recur_impl<8>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r16(GDN_ARGS) { gdn_recur_impl<16>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r32(GDN_ARGS) { gdn_recur_impl<32>(GDN_CALL); }
 
+// ---------------------------------------------------------------------------------------------
 // gdn_commit_conv: the conv state after n = params[1] tokens of a verified block is rows n..n+Kc-2
 // of the layer's verify record [Kc-1+T][C] (the state before the block, then the block's inputs).
 // Per layer slot z (grid.y): tbl[2z] the record, tbl[2z+1] the conv state [Kc-1][C].

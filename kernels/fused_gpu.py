@@ -39,7 +39,9 @@ FUSED_THREADS = 256
 SEG_DTYPE = np.dtype([("w", "<u8"), ("y", "<u8"), ("n_rows", "<i4"), ("n_tiles", "<i4"), ("ldy", "<i4"),
                       ("pad", "<i4")])
 GDN_COLS = 32
-GDN_RPT = (2, 8, 16, 32, 64)        # gdn_recur_r*: d_k <= 4 * RPT
+GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
+GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r*: d_k <= GDN_PARTS * RPT
+GDN_CHUNK = 32                      # fused.cu GDN_CHUNK: tokens staged at once (at most)
 ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial (fused.cu ATT_MAX_SPLITS)
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
@@ -401,13 +403,17 @@ class FusedGpu:
 
     def op_gdn_recur(self, label: str, tbl, n_slots: int, T: int, n_dev, out, nk: int, nv: int, dk: int,
                      dv: int) -> Op:
-        rpt = next((r for r in GDN_RPT if 4 * r >= dk), None)
+        """T tokens (or *n_dev of them, up to MAX_T, when n_dev is given: commit)."""
+        rpt = next((r for r in GDN_RPT if GDN_PARTS * r >= dk), None)
         if rpt is None:
-            raise ValueError(f"d_k = {dk} exceeds the kernel's {4 * GDN_RPT[-1]}")
+            raise ValueError(f"d_k = {dk} exceeds the kernel's {GDN_PARTS * GDN_RPT[-1]}")
         kern = self._k("fused.cu", f"gdn_recur_r{rpt}")
+        chunk = GDN_CHUNK if n_dev is not None else max(1, min(T, GDN_CHUNK))
+        smem = 4 * chunk * (2 * GDN_PARTS * rpt + GDN_COLS + 2)     # staged q, k, v, decay, beta
+        self._smem(kern, smem)
         args = (tbl, np.int32(T), n_dev, out, np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv),
-                np.float32(1.0 / math.sqrt(dk)))
-        return Op(label, kern, (-(-dv // GDN_COLS), nv, n_slots), (GDN_COLS * 4,), args)
+                np.float32(1.0 / math.sqrt(dk)), np.int32(chunk))
+        return Op(label, kern, (-(-dv // GDN_COLS), nv, n_slots), (GDN_COLS * GDN_PARTS,), args, smem)
 
     def op_gdn_commit_conv(self, label: str, tbl, n_slots: int, params, C: int, kc: int) -> Op:
         kern = self._k("fused.cu", "gdn_commit_conv")

@@ -498,7 +498,7 @@ def test_deltanet_conv_recurrence_and_commit(dev):
             assert np.array_equal(_h(xp, cs), X[n:n + kc - 1])
 
 
-# (d_k, d_v, T, nk, nv): gdn_recur stages 32 tokens per chunk (16 at d_k = 256), so T = 33 and 40 take
+# (d_k, d_v, T, nk, nv): gdn_recur stages up to 32 tokens per chunk, so T = 33 and 40 take
 # two and T = 40 at d_k = 256 three; gdn_conv gives each thread runs of at most 16 tokens of one
 # channel, so d_k = 128 at T = 40 (3 runs x 128 channels) and d_k = 32 at T = 150 (10 runs x 32) take
 # more than one pass of the block, d_v = 288 / 300 is a head wider than the block (its state loop), and
