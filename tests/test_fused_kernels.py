@@ -498,11 +498,10 @@ def test_deltanet_conv_recurrence_and_commit(dev):
             assert np.array_equal(_h(xp, cs), X[n:n + kc - 1])
 
 
-# (d_k, d_v, T, nk, nv): gdn_recur stages up to 32 tokens per chunk, so T = 33 and 40 take
-# two and T = 40 at d_k = 256 three; gdn_conv gives each thread runs of at most 16 tokens of one
-# channel, so d_k = 128 at T = 40 (3 runs x 128 channels) and d_k = 32 at T = 150 (10 runs x 32) take
-# more than one pass of the block, d_v = 288 / 300 is a head wider than the block (its state loop), and
-# the gate block's 8 items per thread per pass are exceeded at T * nv = 150 * 16.
+# (d_k, d_v, T, nk, nv): gdn_recur stages up to 32 tokens per chunk, so T = 33 and 40 take two;
+# gdn_conv walks (token, channel) items, several per thread at d_k = 128 and T = 40 or d_k = 32 and
+# T = 150; d_v = 288 / 300 is a head wider than the block (its state loop), and the gate block's
+# items per thread per pass are exceeded at T * nv = 150 * 16.
 DN_WIDE_CASES = ((32, 32, 40, 2, 4), (128, 128, 40, 2, 4), (32, 32, 150, 2, 16), (32, 288, 5, 2, 4),
                  (256, 64, 40, 1, 2), (8, 16, 33, 2, 4), (16, 300, 2, 2, 4))
 
