@@ -14,7 +14,8 @@ layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
 where `+= x` adds into an int64 fixed-point accumulator beside x (no exchange between the blocks
 that share rows) and the next prep folds it into x (`_Residual`: two x buffers, two accumulators);
 the DeltaNet projections (qkv | z | alpha | beta) are fixed-point sums the same way, which gdn_conv
-and gdn_out_prep read as floats and clear for the next layer.
+and gdn_out_prep read as floats; gdn_out_prep clears z as it reads it, gdn_conv the other DeltaNet
+layer parity's qkv and alpha | beta (two buffers of each: a verify's conv blocks of tokens share rows).
 
 then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on
 the device for `topk_row`, so that only the candidates the sampler needs cross to the host).
@@ -54,8 +55,8 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
-from kernels.fused_gpu import (MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX, ActBuffer, FusedGpu, MmWorkspace,
-                               Op, TcWeight)
+from kernels.fused_gpu import (GDN_CONV_TOKENS, MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX, ActBuffer, FusedGpu,
+                               MmWorkspace, Op, TcWeight)
 
 __all__ = ["Qwen35GpuStep", "GpuVerifyRecord", "step_supported"]
 
@@ -104,6 +105,7 @@ class Qwen35GpuStep:
         self.d = d
         self.attn_layers = hp.attention_layers
         self.dn_layers = hp.deltanet_layers
+        self._dn_index = {il: z for z, il in enumerate(self.dn_layers)}
         self.H, self.Hkv, self.D = hp.n_head, hp.n_head_kv, hp.head_dim
         self.nk, self.nv, self.dk, self.dv = hp.ssm_n_k_heads, hp.ssm_n_v_heads, hp.d_k, hp.d_v
         self.C = hp.conv_channels
@@ -123,10 +125,12 @@ class Qwen35GpuStep:
         self.accs = (xp.zeros((MAX_T, d), dtype=xp.int64), xp.zeros((MAX_T, d), dtype=xp.int64))
         if self.dn_layers:
             # the DeltaNet projections, as the int64 fixed-point sums their matmul adds (no exchange
-            # between blocks); gdn_conv / gdn_out_prep clear what they read for the next layer
-            self.qkv = xp.zeros((MAX_T, self.C), dtype=xp.int64)
+            # between blocks), cleared for the next layer's matmul: z by gdn_out_prep as it reads it,
+            # qkv and ab by DeltaNet layer parity: gdn_conv clears the other parity's (its own rows are
+            # read by two of its token blocks; the other's last reader has finished)
+            self.qkv2 = tuple(xp.zeros((MAX_T, self.C), dtype=xp.int64) for _ in range(2))
             self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=xp.int64)
-            self.ab = xp.zeros((MAX_T, 2 * self.nv), dtype=xp.int64)
+            self.ab2 = tuple(xp.zeros((MAX_T, 2 * self.nv), dtype=xp.int64) for _ in range(2))
             self.rec = xp.zeros((MAX_T, self.R), dtype=f32)
             self.o = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
             # verify records, per DeltaNet layer
@@ -250,7 +254,9 @@ class Qwen35GpuStep:
         tbl = self.table
         ws = self.ws
         ops.append(fg.op_embed("embed", m.token_embd, self.params[2:], self.xs[0], T))
-        sums = [a[:T] for a in self.accs] + ([self.qkv[:T], self.z[:T], self.ab[:T]] if self.dn_layers else [])
+        sums = [a[:T] for a in self.accs]
+        if self.dn_layers:
+            sums += [a[:T] for a in self.qkv2 + self.ab2] + [self.z[:T]]
         ops.append(_ZeroOp("clear sums", sums))      # each consumer clears what it read; this is the start
         res = _Residual(self.xs, self.accs)
         verify = mode == "verify"
@@ -263,16 +269,20 @@ class Qwen35GpuStep:
             p = f"blk.{il}."
             ops.append(prep(p + "attn_norm", layer.attn_norm))
             if hasattr(mx, "w_qkv"):
-                segs = [(mx.w_qkv, self.qkv, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
-                        (mx.w_alpha, self.ab, 0, 2 * self.nv), (mx.w_beta, self.ab, self.nv, 2 * self.nv)]
+                par = self._dn_index[il] % 2
+                qkv, ab = self.qkv2[par], self.ab2[par]
+                segs = [(mx.w_qkv, qkv, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
+                        (mx.w_alpha, ab, 0, 2 * self.nv), (mx.w_beta, ab, self.nv, 2 * self.nv)]
                 for g in self._group(segs):
                     ops.append(fg.op_mm(p + "mm qkv|z|a|b " + g[0][0].type_name, g, self.act_d, T, MODE_ADD, ws))
                 rec = self.rec_in[il] if verify else self.rec
-                ops.append(fg.op_gdn_conv(p + "gdn_conv", self.qkv, self.C, tbl, self._slots[("conv", il)], mx.conv,
-                                          self.ab, mx.dt_bias, mx.ssm_a, rec, T, self.nk, self.nv, self.dk, self.dv,
+                ops.append(fg.op_gdn_conv(p + "gdn_conv", qkv, self.C, tbl, self._slots[("conv", il)], mx.conv,
+                                          ab, mx.dt_bias, mx.ssm_a, rec, T, self.nk, self.nv, self.dk, self.dv,
                                           self.Kc, eps, write_state=not verify,
                                           state_save=self.rec_qkv[il] if verify else None,
-                                          qkv_save=self.rec_qkv[il][self.Kc - 1:] if verify else None))
+                                          qkv_save=self.rec_qkv[il][self.Kc - 1:] if verify else None,
+                                          clear=(self.qkv2[1 - par][:T], self.ab2[1 - par][:T]),
+                                          tokens_per_block=GDN_CONV_TOKENS if verify else T))
                 slot = self._slots[("ver", il) if verify else ("adv", il)]
                 ops.append(fg.op_gdn_recur(p + "gdn_recur", tbl[slot:], 1, T, None, self.o, self.nk, self.nv, self.dk,
                                            self.dv))

@@ -239,36 +239,47 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows_wide(
 // int64 fixed-point sums its matmul added (mm_tc MODE_ADD: no exchange between the blocks that
 // share a row block); the conv state [Kc-1][C] (row 0 oldest) is at tbl[slot]; conv_w[C][Kc],
 // tap Kc-1 on the newest input. ab[T][2*nv] = alpha (no bias yet) | beta logits, fixed point too.
-// Each block clears the sums it read (qkv: its channels, ab: the gates block), so the next layer's
-// matmul adds into zeros. Writes rec[T][R], R = 2*nk*dk + nv*dv + 2*nv: q (L2-normalised) | k
-// (L2-normalised) | v | g | beta. write_state: advance the conv state in place (decode / prefill);
-// 0 for verify. Verify also passes state_save and qkv_save: the conv state ([Kc-1][C]) and the
-// block's inputs ([T][C], as floats) are copied into the layer's verify record [Kc-1+T][C], so that
-// gdn_commit_conv can rebuild the state after any prefix from the record alone.
-// grid: 2*nk + nv + 1 blocks (q heads, k heads, v heads, one for the gates); dynamic smem
-// (2*T + 2*Kc - 1) * width floats.
+// Writes rec[T][R], R = 2*nk*dk + nv*dv + 2*nv: q (L2-normalised) | k (L2-normalised) | v | g |
+// beta. write_state: advance the conv state in place (decode / prefill); 0 for verify. Verify also
+// passes state_save and qkv_save: the conv state ([Kc-1][C]) and the block's inputs ([T][C], as
+// floats) are copied into the layer's verify record [Kc-1+T][C], so that gdn_commit_conv can
+// rebuild the state after any prefix from the record alone.
+// Clearing for the next matmul that adds: each block zeroes its channels' rows of qkv_clear (and
+// the gates block those of ab_clear) after its reads. The step passes the other layer parity's
+// sums (kernels/fused_gpu.py op_gdn_conv): this launch's own rows are read by two token blocks
+// (a token's item reads the Kc-1 rows before it), so no block may clear them, and the other
+// parity's last reader, the previous DeltaNet layer's gdn_conv, has finished.
+// grid (2*nk + nv + 1, ceil(T / tpb)): q heads, k heads, v heads and one block for the gates, by
+// blocks of tpb tokens (one block of all T when write_state: the new state needs the old one,
+// which the first token block reads). Dynamic smem (2*tpb + 2*Kc - 1) * width floats.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
-    long long* __restrict__ qkv, int ldq, const unsigned long long* __restrict__ tbl, int slot,
-    const float* __restrict__ conv_w, long long* __restrict__ ab, const float* __restrict__ dt_bias,
+    const long long* __restrict__ qkv, int ldq, const unsigned long long* __restrict__ tbl, int slot,
+    const float* __restrict__ conv_w, const long long* __restrict__ ab, const float* __restrict__ dt_bias,
     const float* __restrict__ ssm_a, float* __restrict__ rec, int T, int nk, int nv, int dk, int dv, int Kc,
-    float eps, int write_state, float* __restrict__ state_save, float* __restrict__ qkv_save) {
+    float eps, int write_state, float* __restrict__ state_save, float* __restrict__ qkv_save,
+    long long* __restrict__ qkv_clear, long long* __restrict__ ab_clear, int tpb) {
     DYN_SMEM(float, sm);
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     const int b = blockIdx.x;
     const int C = 2 * nk * dk + nv * dv;
     const int R = C + 2 * nv;
+    const int t0 = blockIdx.y * tpb, n = min(tpb, T - t0);    // this block's tokens t0 .. t0 + n
     if (b == 2 * nk + nv) {              // gates
         grid_dependency_wait();
-        for (int i = threadIdx.x; i < T * nv; i += blockDim.x) {
-            const int t = i / nv, h = i % nv;
-            long long* pa = ab + (size_t)t * 2 * nv + h;
+        for (int i = threadIdx.x; i < n * nv; i += blockDim.x) {
+            const int t = t0 + i / nv, h = i % nv;
+            const long long* pa = ab + (size_t)t * 2 * nv + h;
             const float a = fixed_to_float(pa[0]) + dt_bias[h];
             const float bl = fixed_to_float(pa[nv]);
-            pa[0] = 0;                   // read: cleared for the next layer's matmul
-            pa[nv] = 0;
             const float sp = a > 20.0f ? a : log1pf(expf(fminf(a, 20.0f)));
             rec[(size_t)t * R + C + h] = ssm_a[h] * sp;
             rec[(size_t)t * R + C + nv + h] = 1.0f / (1.0f + expf(-bl));
+        }
+        __syncthreads();                 // every read of ab is done (ab_clear may be ab itself)
+        for (int i = threadIdx.x; i < n * nv; i += blockDim.x) {
+            long long* pc = ab_clear + (size_t)(t0 + i / nv) * 2 * nv + i % nv;
+            pc[0] = 0;
+            pc[nv] = 0;
         }
         return;
     }
@@ -278,28 +289,30 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     else if (b < 2 * nk) { ch0 = nk * dk + (b - nk) * dk; width = dk; normed = true; }
     else { ch0 = 2 * nk * dk + (b - 2 * nk) * dv; width = dv; normed = false; }
     float* state = (float*)tbl[slot];
-    float* sx = sm + T * width;          // the block's inputs X[K1 + t] = qkv[t], as floats
+    float* sx = sm + tpb * width;        // the block's inputs X[K1 + t] = qkv[t], as floats
     const int K1 = Kc - 1;
-    float* s_old = sx + T * width;       // the conv state of the block's channels [K1][width]
+    float* s_old = sx + tpb * width;     // the conv state of the block's channels [K1][width]
     float* s_w = s_old + K1 * width;     // their taps [width][Kc]
     // Before the wait: the conv state is written by no earlier launch of the step (only by this
     // one, below, or by a graph that ran before), the taps by none, so their loads overlap the
     // end of the projections' matmul. Verify keeps the old state in its record from here.
-    for (int e = threadIdx.x; e < K1 * width; e += blockDim.x) {
-        const int j = e / width, i = e - j * width;
-        const float v = state[(size_t)j * C + ch0 + i];
-        s_old[e] = v;
-        if (state_save != nullptr) state_save[(size_t)j * C + ch0 + i] = v;
-    }
+    if (t0 < K1)
+        for (int e = threadIdx.x; e < K1 * width; e += blockDim.x) {
+            const int j = e / width, i = e - j * width;
+            const float v = state[(size_t)j * C + ch0 + i];
+            s_old[e] = v;
+            if (state_save != nullptr && t0 == 0) state_save[(size_t)j * C + ch0 + i] = v;
+        }
     for (int e = threadIdx.x; e < width * Kc; e += blockDim.x) s_w[e] = conv_w[(size_t)ch0 * Kc + e];
     __syncthreads();
     grid_dependency_wait();
     // One (token, channel) output per item, summed over its Kc inputs X[t .. t + Kc-1] of
     // X = [state; qkv] in tap order: the items are independent, so all their loads are in flight
     // at once (a token loop per channel waited on one load per token), and each is computed the
-    // same way whatever T. An item keeps its newest input (qkv row t) for the state and the record.
-    for (int it = threadIdx.x; it < T * width; it += blockDim.x) {
-        const int t = it / width, i = it - t * width, ch = ch0 + i;
+    // same way whatever T and however the tokens are split into blocks. An item keeps its newest
+    // input (qkv row t) for the state and the record.
+    for (int it = threadIdx.x; it < n * width; it += blockDim.x) {
+        const int tl = it / width, t = t0 + tl, i = it - tl * width, ch = ch0 + i;
         float y = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -308,23 +321,25 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
                 const float xv = r < K1 ? s_old[r * width + i] : fixed_to_float(qkv[(size_t)(r - K1) * ldq + ch]);
                 const float wv = s_w[i * Kc + j];
                 y = j == 0 ? xv * wv : fmaf(xv, wv, y);
-                if (j == K1) sx[t * width + i] = xv;
+                if (j == K1) {
+                    sx[tl * width + i] = xv;
+                    if (qkv_save != nullptr) qkv_save[(size_t)t * C + ch] = xv;
+                }
             }
         }
-        sm[t * width + i] = y / (1.0f + expf(-y));
+        sm[tl * width + i] = y / (1.0f + expf(-y));
     }
     __syncthreads();                     // every read of the old state and of qkv is done
-    for (int it = threadIdx.x; it < T * width; it += blockDim.x) {
-        const int t = it / width, i = it - t * width;
-        qkv[(size_t)t * ldq + ch0 + i] = 0;                  // read: cleared for the next layer's matmul
-        if (qkv_save != nullptr) qkv_save[(size_t)t * C + ch0 + i] = sx[t * width + i];
+    for (int it = threadIdx.x; it < n * width; it += blockDim.x) {
+        const int tl = it / width, i = it - tl * width;
+        qkv_clear[(size_t)(t0 + tl) * ldq + ch0 + i] = 0;
     }
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const int ch = ch0 + i;
-        float old[7];
+    if (write_state)                     // (one token block: t0 = 0, n = T)
+        for (int i = threadIdx.x; i < width; i += blockDim.x) {
+            const int ch = ch0 + i;
+            float old[7];
 #pragma unroll
-        for (int j = 0; j < 7; ++j) old[j] = j < K1 ? s_old[j * width + i] : 0.0f;
-        if (write_state) {
+            for (int j = 0; j < 7; ++j) old[j] = j < K1 ? s_old[j * width + i] : 0.0f;
             float nw[7];                 // X[T .. T + Kc-2]: the last Kc-1 inputs
 #pragma unroll
             for (int j = 0; j < 7; ++j) {
@@ -340,20 +355,19 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
             for (int j = 0; j < 7; ++j)
                 if (j < K1) state[(size_t)j * C + ch] = nw[j];
         }
-    }
     // q / k heads: L2 norm per token, one warp per token (no block barrier per token).
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-    for (int t = warp; t < T; t += n_warps) {
+    for (int tl = warp; tl < n; tl += n_warps) {
         float inv = 1.0f;
         if (normed) {
             float ss = 0.0f;
-            for (int i = lane; i < width; i += 32) ss += sm[t * width + i] * sm[t * width + i];
+            for (int i = lane; i < width; i += 32) ss += sm[tl * width + i] * sm[tl * width + i];
 #pragma unroll
             for (int m = 16; m > 0; m >>= 1) ss += shfl_xor(ss, m);
             inv = (float)(1.0 / sqrt((double)ss + (double)eps));
         }
         for (int i = lane; i < width; i += 32)
-            rec[(size_t)t * R + ch0 + i] = normed ? sm[t * width + i] * inv : sm[t * width + i];
+            rec[(size_t)(t0 + tl) * R + ch0 + i] = normed ? sm[tl * width + i] * inv : sm[tl * width + i];
     }
 }
 

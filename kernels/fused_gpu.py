@@ -42,6 +42,7 @@ GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r*: d_k <= GDN_PARTS * RPT
 GDN_CHUNK = 32                      # fused.cu GDN_CHUNK: tokens staged at once (at most)
+GDN_CONV_TOKENS = 4                 # gdn_conv: tokens a block computes in a verify step
 ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial (fused.cu ATT_MAX_SPLITS)
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
@@ -384,22 +385,31 @@ class FusedGpu:
 
     def op_gdn_conv(self, label: str, qkv, ldq: int, tbl, slot: int, conv_w, ab, dt_bias, ssm_a, rec, T: int,
                     nk: int, nv: int, dk: int, dv: int, kc: int, eps: float, write_state: bool, state_save=None,
-                    qkv_save=None) -> Op:
-        """qkv and ab: the projections' int64 fixed-point sums (MODE_ADD launches), cleared as they
-        are read. Verify: state_save / qkv_save receive the conv state and the block's inputs (as
-        floats) for gdn_commit_conv."""
+                    qkv_save=None, clear=None, tokens_per_block: int | None = None) -> Op:
+        """qkv and ab: the projections' int64 fixed-point sums (MODE_ADD launches). clear: the
+        (qkv, ab) sums to zero over the same rows for the next matmul that adds (default: qkv and ab
+        themselves, after they are read; the step passes the other layer parity's, fused.cu).
+        tokens_per_block: tokens a block computes (default all T: one block per head, as decode
+        wants; fewer for wide verify blocks: more blocks, the same bits), all T when write_state
+        or when clearing what it reads. Verify: state_save / qkv_save receive the conv state and the
+        block's inputs (as floats) for gdn_commit_conv."""
         if kc > 8:
             raise ValueError(f"conv kernel of {kc} taps (gdn_conv handles up to 8)")
-        if str(qkv.dtype) != "int64" or str(ab.dtype) != "int64":
-            raise ValueError(f"{label}: qkv and ab are int64 fixed-point sums (got {qkv.dtype}, {ab.dtype})")
+        qkv_clear, ab_clear = clear if clear is not None else (qkv, ab)
+        for a in (qkv, ab, qkv_clear, ab_clear):
+            if str(a.dtype) != "int64":
+                raise ValueError(f"{label}: qkv and ab are int64 fixed-point sums (got {a.dtype})")
+        tpb = max(1, min(T, tokens_per_block or T))
+        if tpb < T and (write_state or clear is None):
+            raise ValueError(f"{label}: token blocks need write_state off and other buffers to clear")
         kern = self._k("fused.cu", "gdn_conv")
         width = max(dk, dv)
-        smem = 4 * (2 * T + 2 * kc - 1) * width          # outputs, inputs, old state, taps (fused.cu)
+        smem = 4 * (2 * tpb + 2 * kc - 1) * width        # outputs, inputs, old state, taps (fused.cu)
         self._smem(kern, smem)
         args = (qkv, np.int32(ldq), tbl, np.int32(slot), conv_w, ab, dt_bias, ssm_a, rec, np.int32(T), np.int32(nk),
                 np.int32(nv), np.int32(dk), np.int32(dv), np.int32(kc), np.float32(eps), np.int32(1 if write_state else 0),
-                state_save, qkv_save)
-        return Op(label, kern, (2 * nk + nv + 1,), (FUSED_THREADS,), args, smem)
+                state_save, qkv_save, qkv_clear, ab_clear, np.int32(tpb))
+        return Op(label, kern, (2 * nk + nv + 1, -(-T // tpb)), (FUSED_THREADS,), args, smem)
 
     def op_gdn_recur(self, label: str, tbl, n_slots: int, T: int, n_dev, out, nk: int, nv: int, dk: int,
                      dv: int) -> Op:

@@ -498,6 +498,42 @@ def test_deltanet_conv_recurrence_and_commit(dev):
             assert np.array_equal(_h(xp, cs), X[n:n + kc - 1])
 
 
+def test_deltanet_conv_token_blocks_give_the_same_bits(dev):
+    """A verify's gdn_conv in blocks of a few tokens (each token's item reads the kc - 1 input rows
+    before it, so a block reads its neighbour's rows): the same record, rows and bits as one block of
+    all T, the inputs left as they were and the other buffers cleared instead (the step passes the
+    other DeltaNet layer parity's sums). The bug it guards: a block clearing the rows it read while
+    the next token block still reads them as its window."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(5)
+    for T, tpb in ((23, 4), (9, 1), (5, 2), (2, 1)):
+        c = _dn_case(rng, T)
+        C, nk, nv, dk, dv, kc = c["C"], c["nk"], c["nv"], c["dk"], c["dv"], c["kc"]
+        R = C + 2 * nv
+        w = (xp.array(c["conv_w"]), xp.array(c["dt_bias"]), xp.array(c["ssm_a"]))
+        outs = []
+        for blocks in (None, tpb):
+            cs = xp.array(c["state"])
+            tbl = xp.array(np.array([fg.ptr(cs)], dtype=np.uint64))
+            rec = xp.full((T, R), np.nan, dtype=xp.float32)
+            record = xp.full((kc - 1 + T, C), np.nan, dtype=xp.float32)
+            qkv_fx, ab_fx = _fx(xp, c["qkv"]), _fx(xp, c["ab"])
+            other = (_fx(xp, c["qkv"]), _fx(xp, c["ab"]))
+            fg.op_gdn_conv("c", qkv_fx, C, tbl, 0, w[0], ab_fx, w[1], w[2], rec, T, nk, nv, dk, dv, kc, 1e-6,
+                           write_state=False, state_save=record, qkv_save=record[kc - 1:], clear=other,
+                           tokens_per_block=blocks)()
+            assert np.array_equal(_h(xp, qkv_fx), fused_ref.to_fixed(c["qkv"]))        # inputs kept
+            assert not _h(xp, other[0]).any() and not _h(xp, other[1]).any()          # the others cleared
+            assert np.array_equal(_h(xp, cs), c["state"])
+            outs.append((_h(xp, rec), _h(xp, record)))
+        assert np.array_equal(outs[0][0], outs[1][0]), f"{name}: T={T} in blocks of {tpb}: other rows"
+        assert np.array_equal(outs[0][1], outs[1][1])
+        with pytest.raises(ValueError, match="token blocks"):
+            fg.op_gdn_conv("c", qkv_fx, C, tbl, 0, w[0], ab_fx, w[1], w[2], rec, T, nk, nv, dk, dv, kc, 1e-6,
+                           write_state=True, clear=other, tokens_per_block=1)
+
+
 # (d_k, d_v, T, nk, nv): gdn_recur stages up to 32 tokens per chunk, so T = 33 and 40 take two;
 # gdn_conv walks (token, channel) items, several per thread at d_k = 128 and T = 40 or d_k = 32 and
 # T = 150; d_v = 288 / 300 is a head wider than the block (its state loop), and the gate block's
