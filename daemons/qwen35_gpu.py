@@ -128,9 +128,9 @@ class Qwen35GpuStep:
             # between blocks), cleared for the next layer's matmul: z by gdn_out_prep as it reads it,
             # qkv and ab by DeltaNet layer parity: gdn_conv clears the other parity's (its own rows are
             # read by two of its token blocks; the other's last reader has finished)
-            self.qkv2 = tuple(xp.zeros((MAX_T, self.C), dtype=xp.int64) for _ in range(2))
+            self.qkv_sums = tuple(xp.zeros((MAX_T, self.C), dtype=xp.int64) for _ in range(2))
             self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=xp.int64)
-            self.ab2 = tuple(xp.zeros((MAX_T, 2 * self.nv), dtype=xp.int64) for _ in range(2))
+            self.ab_sums = tuple(xp.zeros((MAX_T, 2 * self.nv), dtype=xp.int64) for _ in range(2))
             self.rec = xp.zeros((MAX_T, self.R), dtype=f32)
             self.o = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
             # verify records, per DeltaNet layer
@@ -256,8 +256,10 @@ class Qwen35GpuStep:
         ops.append(fg.op_embed("embed", m.token_embd, self.params[2:], self.xs[0], T))
         sums = [a[:T] for a in self.accs]
         if self.dn_layers:
-            sums += [a[:T] for a in self.qkv2 + self.ab2] + [self.z[:T]]
-        ops.append(_ZeroOp("clear sums", sums))      # each consumer clears what it read; this is the start
+            sums += [a[:T] for a in self.qkv_sums + self.ab_sums] + [self.z[:T]]
+        # this is the start; then each sum is cleared by its consumer (z) or, for qkv and ab, by the
+        # next DeltaNet layer's gdn_conv
+        ops.append(_ZeroOp("clear sums", sums))
         res = _Residual(self.xs, self.accs)
         verify = mode == "verify"
 
@@ -270,7 +272,7 @@ class Qwen35GpuStep:
             ops.append(prep(p + "attn_norm", layer.attn_norm))
             if hasattr(mx, "w_qkv"):
                 par = self._dn_index[il] % 2
-                qkv, ab = self.qkv2[par], self.ab2[par]
+                qkv, ab = self.qkv_sums[par], self.ab_sums[par]
                 segs = [(mx.w_qkv, qkv, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
                         (mx.w_alpha, ab, 0, 2 * self.nv), (mx.w_beta, ab, self.nv, 2 * self.nv)]
                 for g in self._group(segs):
@@ -281,7 +283,7 @@ class Qwen35GpuStep:
                                           self.Kc, eps, write_state=not verify,
                                           state_save=self.rec_qkv[il] if verify else None,
                                           qkv_save=self.rec_qkv[il][self.Kc - 1:] if verify else None,
-                                          clear=(self.qkv2[1 - par][:T], self.ab2[1 - par][:T]),
+                                          clear=(self.qkv_sums[1 - par][:T], self.ab_sums[1 - par][:T]),
                                           tokens_per_block=GDN_CONV_TOKENS if verify else T))
                 slot = self._slots[("ver", il) if verify else ("adv", il)]
                 ops.append(fg.op_gdn_recur(p + "gdn_recur", tbl[slot:], 1, T, None, self.o, self.nk, self.nv, self.dk,
