@@ -441,6 +441,9 @@ class BenchResult:
         if d.get("per_op_sum_ms") == d.get("per_op_sum_ms") and "graph_device_ms" in d and d["ops"]:
             out.append(f"graph        {d['graph_device_ms']:.3f} ms on the device; its launches one by one "
                        f"{d['per_op_sum_ms']:.3f} ms (the difference: launch gaps inside the graph)")
+        if d.get("verify_graph_ms"):
+            out.append("verify graph " + ", ".join(f"W={w}: {ms:.2f} ms" for w, ms in d["verify_graph_ms"].items())
+                       + "  (device time of each verify step's CUDA graph)")
         if d.get("ops"):
             out.append("per-op (one decode step; each op synchronised, queued behind a busy-wait and timed alone "
                        "with device events):" if "graph_device_ms" not in d else
@@ -499,12 +502,16 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
     step_s = statistics.median(times[3:])
     log(f"decode {1.0 / step_s:.2f} tok/s")
 
+    # verify as a speculative loop runs it: on the sequence's own state, which the step has bound
+    # (a fresh copy each time would time binding ~450 device pointers anew, ~0.5 ms of host work a
+    # serving loop does not do), restored in place to the same context before each block
     verify_ms, commit_ms = {}, {}
+    s2 = context.copy()
     for wdt in widths:
         ids = rng.integers(0, n_vocab, size=wdt).tolist()
         reps, creps = [], []
         for _ in range(5):
-            s2 = context.copy()
+            s2.copy_from(context)
             _sync(b)
             t0 = time.perf_counter()
             _, _, rec = model.verify(ids, s2, logits="argmax")
@@ -527,6 +534,19 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
         dev, _, _ = timer(lambda: step._launch(key, None), cover_s=2e-3)
         graph_ms.append(dev * 1e3)
     graph_dev_ms = statistics.median(graph_ms)
+
+    # device time of each verify graph alone: the host-timed verify above moves by ~0.4 ms between
+    # runs (it includes the host's launch and the ids' copy back), too much to see a kernel's change
+    verify_graph_ms = {}
+    for wdt in widths:
+        s5 = context.copy()
+        model.verify(rng.integers(0, n_vocab, size=wdt).tolist(), s5, logits="argmax")   # binds, uploads params
+        vkey = (wdt, "verify", "all", ())
+        reps = []
+        for _ in range(5):
+            dev, _, _ = timer(lambda: step._launch(vkey, None), cover_s=2e-3)
+            reps.append(dev * 1e3)
+        verify_graph_ms[wdt] = statistics.median(reps)
 
     ops_rows, per_op_sum = [], float("nan")
     if profile:
@@ -555,7 +575,8 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
                 row["GBps"] = nbytes / (ms / 1e3) / 1e9
             ops_rows.append(row)
     return {"prefill_s": prefill_s, "step_s": step_s, "verify_ms": verify_ms, "commit_ms": commit_ms,
-            "graph_dev_ms": graph_dev_ms, "per_op_sum_ms": per_op_sum, "ops": ops_rows}
+            "graph_dev_ms": graph_dev_ms, "verify_graph_ms": verify_graph_ms, "per_op_sum_ms": per_op_sum,
+            "ops": ops_rows}
 
 
 def _figures(model, copy_bps: float, bytes_per_step: int, total_bytes: int, prefill: int, prefill_s: float,
@@ -593,7 +614,7 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
         data = _figures(model, copy_bps, bytes_per_step, total_bytes, prefill, r["prefill_s"], tokens, step_s,
                         r["verify_ms"])
         data.update({
-            "commit_ms": r["commit_ms"], "device_busy_ms": r["graph_dev_ms"], "graph_device_ms": r["graph_dev_ms"],
+            "commit_ms": r["commit_ms"], "verify_graph_ms": r["verify_graph_ms"], "device_busy_ms": r["graph_dev_ms"], "graph_device_ms": r["graph_dev_ms"],
             "per_op_sum_ms": r["per_op_sum_ms"], "profiled_step_ms": float("nan"),
             "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"],
             "path": "gpu_step (CUDA graph per step)",

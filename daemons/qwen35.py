@@ -323,6 +323,21 @@ class Qwen35State:
         new.ssm = {il: a.copy() for il, a in self.ssm.items()}
         return new
 
+    def copy_from(self, other: "Qwen35State") -> "Qwen35State":
+        """Overwrite this state with `other`'s contents in place (same model and max_ctx); returns
+        self. Its arrays stay where they are, so a GPU step bound to this state stays bound (a fresh
+        `copy()` is a new set of arrays the step must bind anew)."""
+        if other.hparams is not self.hparams and other.hparams != self.hparams:
+            raise StateError("copy_from: the state was created for a different model")
+        if other.max_ctx != self.max_ctx:
+            raise StateError(f"copy_from: max_ctx {other.max_ctx} into a state of max_ctx {self.max_ctx}")
+        for mine, theirs in ((self.k_cache, other.k_cache), (self.v_cache, other.v_cache), (self.conv, other.conv),
+                             (self.ssm, other.ssm)):
+            for il, a in mine.items():
+                a[...] = theirs[il]
+        self.n_past = other.n_past
+        return self
+
     def to_host(self) -> dict[str, np.ndarray]:
         """A host snapshot: `n_past`, and per layer `k.{il}`/`v.{il}` (only the first n_past cache
         rows), `conv.{il}`, `ssm.{il}`, all numpy float32 copies."""

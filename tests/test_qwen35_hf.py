@@ -84,6 +84,14 @@ def test_state_copy_and_host_round_trip(case):
         model.new_state(40).from_host(snap)
     with pytest.raises(StateError, match="missing"):
         model.new_state(80).from_host({k: v for k, v in snap.items() if k != "ssm.0"})
+    # copy_from: the advanced state's arrays overwritten in place (the same objects: a GPU step
+    # bound to them stays bound), then the same steps again
+    arrays = {name: id(a) for name, a in state._arrays().items()}
+    state.copy_from(twin.copy_from(model.new_state(80).from_host(snap)))
+    assert state.n_past == 48 and {name: id(a) for name, a in state._arrays().items()} == arrays
+    np.testing.assert_array_equal(np.stack([model.forward([t], state)[0] for t in toks]), np.stack(first))
+    with pytest.raises(StateError, match="max_ctx"):
+        state.copy_from(model.new_state(60))
 
 
 def test_capture_layers_match_hf_hidden_states(case):
