@@ -331,10 +331,9 @@ class Qwen35State:
             raise StateError("copy_from: the state was created for a different model")
         if other.max_ctx != self.max_ctx:
             raise StateError(f"copy_from: max_ctx {other.max_ctx} into a state of max_ctx {self.max_ctx}")
-        for mine, theirs in ((self.k_cache, other.k_cache), (self.v_cache, other.v_cache), (self.conv, other.conv),
-                             (self.ssm, other.ssm)):
-            for il, a in mine.items():
-                a[...] = theirs[il]
+        theirs = other._arrays()
+        for name, a in self._arrays().items():
+            a[...] = theirs[name]
         self.n_past = other.n_past
         return self
 
