@@ -184,6 +184,18 @@ __device__ __forceinline__ void warp_sync() { __builtin_amdgcn_wave_barrier(); }
 __device__ __forceinline__ void warp_sync() { __syncwarp(); }
 #endif
 
+// An integer the compiler must keep in a register: ptxas otherwise recomputes lane-derived offsets
+// from the lane index in every iteration of a loop (integer instructions on the matmul's issue-bound
+// path), which an empty asm that "changes" the value prevents.
+#if defined(DFLASH_EMU) || defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ int keep_reg(int v) { return v; }
+#else
+__device__ __forceinline__ int keep_reg(int v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+#endif
+
 // Bulk copies completing on mbarriers (sm_90: TMA, one instruction per contiguous run of bytes).
 // A barrier completes a phase when `count` arrivals have happened and every byte announced by
 // mbar_expect (itself one arrival) has landed; mbar_wait(bar, p) returns once the phase of parity p
