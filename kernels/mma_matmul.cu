@@ -178,14 +178,17 @@ struct KQuantScales {
         const u32 dd = __byte_perm(t1, t2, 0x5410);
         d[row8] = h2f((u16)(dd & 0xffffu));
         dmin[row8] = h2f((u16)(dd >> 16));
-        const u32 sa = w & 63u, sb = (w >> 6) & 63u, ma = (w >> 12) & 63u, mb = (w >> 18) & 63u;
+        const u32 ma = (w >> 12) & 63u, mb = (w >> 18) & 63u;
+        // 1024 + sc in both halves (one replicate, one LOP3 each), then the values the frags use,
+        // each exact: sc, -1024 sc (x1 nibbles); sc / 16 = (1024 + sc) / 16 - 64, -64 sc (x16).
+        const u32 xa = lop_and_or<0x003F003Fu>(__byte_perm(w, 0u, 0x1010), H2_1024);
+        const u32 xb = lop_and_or<0x003F003Fu>(__byte_perm(w >> 6, 0u, 0x1010), H2_1024);
         if (row8 == 0) {
-            c1[0] = h2_int_bcast(sa); b1[0] = h2mul(c1[0], H2_M1024);
-            c1[1] = h2_int_bcast(sb); b1[1] = h2mul(c1[1], H2_M1024);
+            c1[0] = h2sub(xa, H2_1024); b1[0] = h2mul(c1[0], H2_M1024);
+            c1[1] = h2sub(xb, H2_1024); b1[1] = h2mul(c1[1], H2_M1024);
         } else {
-            const u32 ha = h2_int_bcast(sa), hb = h2_int_bcast(sb);
-            c16[0] = h2mul(ha, H2_1_16); b16[0] = h2mul(ha, H2_M64);
-            c16[1] = h2mul(hb, H2_1_16); b16[1] = h2mul(hb, H2_M64);
+            c16[0] = h2fma(xa, H2_1_16, H2_M64); b16[0] = h2mul(c16[0], H2_M1024);
+            c16[1] = h2fma(xb, H2_1_16, H2_M64); b16[1] = h2mul(c16[1], H2_M1024);
         }
         amin[row8] = h2_int_pair(ma, mb);
     }
@@ -261,11 +264,15 @@ struct UnitQ6K {
         const u32 s0 = ld32(u + 3072 + o.r4), s1 = ld32(u + 3072 + 128 + o.r4);
         d[0] = h2f(ld16(u + 3328 + o.g2));
         d[1] = h2f(ld16(u + 3328 + 16 + o.g2));
+        // Byte k of s ^ 0x80808080 under 0x64 in both halves is 1024 + 128 + sc (one PRMT); then
+        // sc / 16 = (1152 + sc) / 16 - 72 and -96 sc = -1536 (sc / 16), each exact.
+        const u32 x0 = s0 ^ 0x80808080u, x1 = s1 ^ 0x80808080u;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const u32 h0 = h2_i8_bcast(s0 >> (8 * k)), h1 = h2_i8_bcast(s1 >> (8 * k));
-            cs[k][0] = h2mul(h0, H2_1_16); bs[k][0] = h2mul(h0, H2_M96);
-            cs[k][1] = h2mul(h1, H2_1_16); bs[k][1] = h2mul(h1, H2_M96);
+            const u32 sel = 0x4040u | (0x0101u * k);
+            const u32 h0 = __byte_perm(x0, 0x64646464u, sel), h1 = __byte_perm(x1, 0x64646464u, sel);
+            cs[k][0] = h2fma(h0, H2_1_16, H2_M72); bs[k][0] = h2mul(cs[k][0], H2_M1536);
+            cs[k][1] = h2fma(h1, H2_1_16, H2_M72); bs[k][1] = h2mul(cs[k][1], H2_M1536);
         }
     }
     __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}

@@ -375,6 +375,8 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 #define H2_M1152 0xE480E480u       // (-1152, -1152)
 #define H2_M64 0xD400D400u         // (-64, -64)
 #define H2_M96 0xD600D600u         // (-96, -96)
+#define H2_M72 0xD480D480u         // (-72, -72)
+#define H2_M1536 0xE600E600u       // (-1536, -1536)
 #define H2_1_16 0x2C002C00u        // (1/16, 1/16)
 
 // (a & mask) | c in one LOP3. Written as C, nvcc emits an AND and an OR with two immediates and
