@@ -702,6 +702,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 
     float acc[NT][4];
     const LaneOffs lo = LaneOffs::kept(lane);    // lane offsets kept in registers for the loop
+    int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(XS_OFF + 2 * (brow[nt] * 16 + c * 4));
     const int w_off = keep_reg(warp * UNIT);     // this warp's unit in a stage
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
@@ -883,11 +886,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             mm_pair<U, NT, 6>(un, us, sb_x, boff, lo, tm);
             mm_pair<U, NT, 7>(un, us, sb_x, boff, lo, tm);
             if (U::HAS_MIN) {
-                const u16* sxs = (const u16*)(st + XS_OFF);
                 const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bm = *(const uint2*)(sxs + brow[nt] * 16 + c * 4);
+                    const uint2 bm = *(const uint2*)(st + xs_lane[nt]);
                     float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     mma16816(mn, am, bm.x, bm.y);
 #pragma unroll
