@@ -142,9 +142,25 @@ __device__ __forceinline__ u32 ld32(const unsigned char* p) { return *(const u32
 __device__ __forceinline__ u16 ld16(const unsigned char* p) { return *(const u16*)p; }
 
 // ---------------------------------------------------------------------------------------------
+// A lane's byte offsets inside a unit (g = lane / 4, c = lane % 4): q = 16 lane (its 16 bytes of
+// each 512-byte quant plane), r = 16 g (row g's 16-byte record; row g + 8's is 128 further),
+// r4 = 16 g + 4 c, g2 = 2 g. The matmul builds them once with keep_reg, so that ptxas does not
+// recompute them from the lane index for every stage (8-22 instructions a unit of the loop).
+struct LaneOffs {
+    int q, r, r4, g2, c;
+    __device__ __forceinline__ static LaneOffs of(int lane) {
+        const int g = lane >> 2, c = lane & 3;
+        return LaneOffs{16 * lane, 16 * g, 16 * g + 4 * c, 2 * g, c};
+    }
+    __device__ __forceinline__ static LaneOffs kept(int lane) {
+        const LaneOffs o = of(lane);
+        return LaneOffs{keep_reg(o.q), keep_reg(o.r), keep_reg(o.r4), keep_reg(o.g2), keep_reg(o.c)};
+    }
+};
+
 // Per-type lane state for one unit (read from its shared-memory copy). Interface:
-//   load(unit, lane)            loads what the whole superblock needs (K-quants: everything)
-//   pair(unit, lane, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants)
+//   load(unit, offs)            loads what the whole superblock needs (K-quants: everything)
+//   pair(unit, offs, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants)
 //   frag<S>(a)                  the A fragment of k-step S
 //   HAS_MIN / row scale d[2] (rows g, g+8) / dmin[2], amin (A of the min MMA)
 // The scale state of a Q4_K / Q5_K unit for one lane: its two 32-wide groups 2c, 2c+1 of rows g
@@ -162,33 +178,35 @@ struct KQuantScales {
         const u32 dd = __byte_perm(t1, t2, 0x5410);
         d[row8] = h2f((u16)(dd & 0xffffu));
         dmin[row8] = h2f((u16)(dd >> 16));
-        const u32 sa = w & 63u, sb = (w >> 6) & 63u, ma = (w >> 12) & 63u, mb = (w >> 18) & 63u;
+        const u32 ma = (w >> 12) & 63u, mb = (w >> 18) & 63u;
+        // 1024 + sc in both halves (one replicate, one LOP3 each), then the values the frags use,
+        // each exact: sc, -1024 sc (x1 nibbles); sc / 16 = (1024 + sc) / 16 - 64, -64 sc (x16).
+        const u32 xa = lop_and_or<0x003F003Fu>(__byte_perm(w, 0u, 0x1010), H2_1024);
+        const u32 xb = lop_and_or<0x003F003Fu>(__byte_perm(w >> 6, 0u, 0x1010), H2_1024);
         if (row8 == 0) {
-            c1[0] = h2_int_bcast(sa); b1[0] = h2mul(c1[0], H2_M1024);
-            c1[1] = h2_int_bcast(sb); b1[1] = h2mul(c1[1], H2_M1024);
+            c1[0] = h2sub(xa, H2_1024); b1[0] = h2mul(c1[0], H2_M1024);
+            c1[1] = h2sub(xb, H2_1024); b1[1] = h2mul(c1[1], H2_M1024);
         } else {
-            const u32 ha = h2_int_bcast(sa), hb = h2_int_bcast(sb);
-            c16[0] = h2mul(ha, H2_1_16); b16[0] = h2mul(ha, H2_M64);
-            c16[1] = h2mul(hb, H2_1_16); b16[1] = h2mul(hb, H2_M64);
+            c16[0] = h2fma(xa, H2_1_16, H2_M64); b16[0] = h2mul(c16[0], H2_M1024);
+            c16[1] = h2fma(xb, H2_1_16, H2_M64); b16[1] = h2mul(c16[1], H2_M1024);
         }
         amin[row8] = h2_int_pair(ma, mb);
     }
-    __device__ __forceinline__ void load_records(const unsigned char* rec, int lane) {
-        const int g = lane >> 2, c = lane & 3;
-        decode(ld128(rec + g * 16), c, 0);
-        decode(ld128(rec + (g + 8) * 16), c, 1);
+    __device__ __forceinline__ void load_records(const unsigned char* rec, const LaneOffs& o) {
+        decode(ld128(rec + o.r), o.c, 0);
+        decode(ld128(rec + o.r + 128), o.c, 1);
     }
 };
 
 struct UnitQ4K : KQuantScales {
     static constexpr bool HAS_MIN = true, SCALED = true;
     uint4 q[4];
-    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
-        load_records(u + 2048, lane);
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
+        load_records(u + 2048, o);
     }
-    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
         const u32 w = comp<S & 3>(q[S >> 2]);
         constexpr int j = S >> 3;                       // scale group 2c + j
@@ -204,13 +222,13 @@ struct UnitQ5K : KQuantScales {
     static constexpr bool HAS_MIN = true, SCALED = true;
     uint4 q[4];
     uint4 qh;
-    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
+    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
-        qh = ld128(u + 2048 + lane * 16);
-        load_records(u + 2560, lane);
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
+        qh = ld128(u + 2048 + o.q);
+        load_records(u + 2560, o);
     }
-    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}
     // High bits: word S>>2 of qh; for k-step v = S & 3 the bit of (register r, half hf) sits at
     // bit (4, 8, 0, 12)[r] + v + 16*hf.
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
@@ -240,21 +258,24 @@ struct UnitQ6K {
     u32 cs[4][2], bs[4][2];      // [16-wide group 4c + k][row g / g+8]
     float d[2], dmin[2];
     u32 amin[2];
-    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
-        const int g = lane >> 2, c = lane & 3;
+    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
-        for (int i = 0; i < 6; ++i) q[i] = ld128(u + i * 512 + lane * 16);
-        const u32 s0 = ld32(u + 3072 + g * 16 + 4 * c), s1 = ld32(u + 3072 + (g + 8) * 16 + 4 * c);
-        d[0] = h2f(ld16(u + 3328 + 2 * g));
-        d[1] = h2f(ld16(u + 3328 + 2 * (g + 8)));
+        for (int i = 0; i < 6; ++i) q[i] = ld128(u + i * 512 + o.q);
+        const u32 s0 = ld32(u + 3072 + o.r4), s1 = ld32(u + 3072 + 128 + o.r4);
+        d[0] = h2f(ld16(u + 3328 + o.g2));
+        d[1] = h2f(ld16(u + 3328 + 16 + o.g2));
+        // Byte k of s ^ 0x80808080 under 0x64 in both halves is 1024 + 128 + sc (one PRMT); then
+        // sc / 16 = (1152 + sc) / 16 - 72 and -96 sc = -1536 (sc / 16), each exact.
+        const u32 x0 = s0 ^ 0x80808080u, x1 = s1 ^ 0x80808080u;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const u32 h0 = h2_i8_bcast(s0 >> (8 * k)), h1 = h2_i8_bcast(s1 >> (8 * k));
-            cs[k][0] = h2mul(h0, H2_1_16); bs[k][0] = h2mul(h0, H2_M96);
-            cs[k][1] = h2mul(h1, H2_1_16); bs[k][1] = h2mul(h1, H2_M96);
+            const u32 sel = 0x4040u | (0x0101u * k);
+            const u32 h0 = __byte_perm(x0, 0x64646464u, sel), h1 = __byte_perm(x1, 0x64646464u, sel);
+            cs[k][0] = h2fma(h0, H2_1_16, H2_M72); bs[k][0] = h2mul(cs[k][0], H2_M1536);
+            cs[k][1] = h2fma(h1, H2_1_16, H2_M72); bs[k][1] = h2mul(cs[k][1], H2_M1536);
         }
     }
-    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}
     template <int J> __device__ __forceinline__ u32 word() const { return comp<J & 3>(q[J >> 2]); }
     // Register R of pair P as 1024 + 16 q6 (f16x2).
     template <int P, int R> __device__ __forceinline__ u32 code16() const {
@@ -299,15 +320,14 @@ struct UnitIQ4XS {
         cs[0][row8] = h2sub(ls0 | (ls0 << 16) | H2_1024, H2_1056); bs[0][row8] = h2mul(cs[0][row8], H2_M1152);
         cs[1][row8] = h2sub(ls1 | (ls1 << 16) | H2_1024, H2_1056); bs[1][row8] = h2mul(cs[1][row8], H2_M1152);
     }
-    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
-        const int g = lane >> 2, c = lane & 3;
+    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + lane * 16);
-        const uint4 r = ld128(u + 2048 + g * 16);
-        decode(r.x, r.y, c, 0);
-        decode(r.z, r.w, c, 1);
+        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
+        const uint4 r = ld128(u + 2048 + o.r);
+        decode(r.x, r.y, o.c, 0);
+        decode(r.z, r.w, o.c, 1);
     }
-    __device__ __forceinline__ void pair(const unsigned char*, int, int) {}
+    __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}
     // Codebook: a prmt looks up 4 nibbles in 8 bytes, so each half word is looked up in kv[0..7]
     // with its nibbles as they are and in kv[8..15] with bit 3 flipped (clear for the nibbles 8..15;
     // the bytes of nibbles from the other half come out wrong and are dropped), then one prmt keeps
@@ -335,13 +355,13 @@ struct UnitQ8_0 {
     u32 dg[2][2];                // [block 2c + j][row g / g+8] as (d, d)
     float d[2], dmin[2];
     u32 amin[2];
-    __device__ __forceinline__ void load(const unsigned char* u, int lane) {
-        const int g = lane >> 2, c = lane & 3;
-        const u32 w0 = ld32(u + 4096 + (g * 8 + 2 * c) * 2), w1 = ld32(u + 4096 + ((g + 8) * 8 + 2 * c) * 2);
+    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
+        // the f16 d of rows g, g + 8 for blocks 2c, 2c + 1: bytes 2 (8 g + 2 c) = 16 g + 4 c
+        const u32 w0 = ld32(u + 4096 + o.r4), w1 = ld32(u + 4096 + 128 + o.r4);
         dg[0][0] = __byte_perm(w0, 0u, 0x1010); dg[1][0] = __byte_perm(w0, 0u, 0x3232);
         dg[0][1] = __byte_perm(w1, 0u, 0x1010); dg[1][1] = __byte_perm(w1, 0u, 0x3232);
     }
-    __device__ __forceinline__ void pair(const unsigned char* u, int lane, int p) { qp = ld128(u + p * 512 + lane * 16); }
+    __device__ __forceinline__ void pair(const unsigned char* u, const LaneOffs& o, int p) { qp = ld128(u + p * 512 + o.q); }
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
         constexpr int j = S >> 3;
         const u32 X = ((S & 1) ? qp.z : qp.x) ^ 0x80808080u, Y = ((S & 1) ? qp.w : qp.y) ^ 0x80808080u;
@@ -357,10 +377,10 @@ struct UnitF16 {
     uint4 qs[2];
     float d[2], dmin[2];
     u32 amin[2];
-    __device__ __forceinline__ void load(const unsigned char*, int) {}
-    __device__ __forceinline__ void pair(const unsigned char* u, int lane, int p) {
-        qs[0] = ld128(u + (2 * p) * 512 + lane * 16);
-        qs[1] = ld128(u + (2 * p + 1) * 512 + lane * 16);
+    __device__ __forceinline__ void load(const unsigned char*, const LaneOffs&) {}
+    __device__ __forceinline__ void pair(const unsigned char* u, const LaneOffs& o, int p) {
+        qs[0] = ld128(u + (2 * p) * 512 + o.q);
+        qs[1] = ld128(u + (2 * p + 1) * 512 + o.q);
     }
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
         const uint4& v = qs[S & 1];
@@ -407,12 +427,12 @@ template <int QT> struct MmGeom {
 // behind MMA column g of tile nt (columns past T repeat the last row): odd rows hold pair P at
 // (P ^ 1) * 64 bytes (act_index), so even and odd P get their own offset, fixed per launch.
 template <typename U, int NT, int P>
-__device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const unsigned char* sb_x, const int (&boff)[NT][2], int lane,
-                                        float (&tm)[NT][4]) {
+__device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const unsigned char* sb_x, const int (&boff)[NT][2],
+                                        const LaneOffs& lo, float (&tm)[NT][4]) {
     uint4 bq[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
-    un.pair(ub, lane, P);
+    un.pair(ub, lo, P);
     u32 a[4];
     un.template frag<2 * P>(a);
 #pragma unroll
@@ -542,7 +562,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     __shared__ int s_last[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
-    const int STAGE = G::stage(n_rows_b), n_stages = G::stages(n_rows_b), XS_OFF = G::xs_off(n_rows_b);
+    const int STAGE = keep_reg(G::stage(n_rows_b)), n_stages = G::stages(n_rows_b), XS_OFF = keep_reg(G::xs_off(n_rows_b));
     int brow[NT];                                // MMA columns past T read the last real row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) brow[nt] = min(nt * 8 + g, n_rows_b - 1);
@@ -550,8 +570,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int base = brow[nt] * (MM_B_ROW * 2) + c * 16, swz = 64 * (brow[nt] & 1);
-        boff[nt][0] = base + swz;
-        boff[nt][1] = base - swz;
+        boff[nt][0] = keep_reg(base + swz);
+        boff[nt][1] = keep_reg(base - swz);
     }
 
     // This block's stripe of the flat (row block, superblock) space: the split depends on the
@@ -681,6 +701,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     }
 
     float acc[NT][4];
+    const LaneOffs lo = LaneOffs::kept(lane);    // lane offsets kept in registers for the loop
+    int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(XS_OFF + 2 * (brow[nt] * 16 + c * 4));
+    const int w_off = keep_reg(warp * UNIT);     // this warp's unit in a stage
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
     int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it
@@ -843,29 +868,28 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
 #else
         if (ok) {
-            const unsigned char* us = st + warp * UNIT;
+            const unsigned char* us = st + w_off;
             U un;
-            un.load(us, lane);
+            un.load(us, lo);
             const unsigned char* sb_x = st + G::A_BYTES;
             float tm[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
-            mm_pair<U, NT, 0>(un, us, sb_x, boff, lane, tm);
-            mm_pair<U, NT, 1>(un, us, sb_x, boff, lane, tm);
-            mm_pair<U, NT, 2>(un, us, sb_x, boff, lane, tm);
-            mm_pair<U, NT, 3>(un, us, sb_x, boff, lane, tm);
-            mm_pair<U, NT, 4>(un, us, sb_x, boff, lane, tm);
-            mm_pair<U, NT, 5>(un, us, sb_x, boff, lane, tm);
-            mm_pair<U, NT, 6>(un, us, sb_x, boff, lane, tm);
-            mm_pair<U, NT, 7>(un, us, sb_x, boff, lane, tm);
+            mm_pair<U, NT, 0>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 1>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 2>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 3>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 4>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 5>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 6>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 7>(un, us, sb_x, boff, lo, tm);
             if (U::HAS_MIN) {
-                const u16* sxs = (const u16*)(st + XS_OFF);
                 const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bm = *(const uint2*)(sxs + brow[nt] * 16 + c * 4);
+                    const uint2 bm = *(const uint2*)(st + xs_lane[nt]);
                     float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     mma16816(mn, am, bm.x, bm.y);
 #pragma unroll
@@ -1235,7 +1259,7 @@ __device__ __forceinline__ void uf_step(const U& un, u32* st, int lane) {
 }
 template <typename U, int P>
 __device__ __forceinline__ void uf_pair(U& un, const unsigned char* u, u32* st, int lane) {
-    un.pair(u, lane, P);
+    un.pair(u, LaneOffs::of(lane), P);
     uf_step<U, 2 * P>(un, st, lane);
     uf_step<U, 2 * P + 1>(un, st, lane);
 }
@@ -1251,7 +1275,7 @@ __device__ __forceinline__ void units_f16_impl(const unsigned char* __restrict__
         const int t = (int)(i / n_sb), sb = (int)(i % n_sb);
         const unsigned char* u = units + ((size_t)(tile0 + t) * n_sb + sb) * UnitBytes<QT>::v;
         U un;
-        un.load(u, lane);
+        un.load(u, LaneOffs::of(lane));
         uf_pair<U, 0>(un, u, st, lane);
         uf_pair<U, 1>(un, u, st, lane);
         uf_pair<U, 2>(un, u, st, lane);

@@ -184,6 +184,18 @@ __device__ __forceinline__ void warp_sync() { __builtin_amdgcn_wave_barrier(); }
 __device__ __forceinline__ void warp_sync() { __syncwarp(); }
 #endif
 
+// An integer the compiler must keep in a register: ptxas otherwise recomputes lane-derived offsets
+// from the lane index in every iteration of a loop (integer instructions on the matmul's issue-bound
+// path), which an empty asm that "changes" the value prevents.
+#if defined(DFLASH_EMU) || defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ int keep_reg(int v) { return v; }
+#else
+__device__ __forceinline__ int keep_reg(int v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+#endif
+
 // Bulk copies completing on mbarriers (sm_90: TMA, one instruction per contiguous run of bytes).
 // A barrier completes a phase when `count` arrivals have happened and every byte announced by
 // mbar_expect (itself one arrival) has landed; mbar_wait(bar, p) returns once the phase of parity p
@@ -363,6 +375,8 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 #define H2_M1152 0xE480E480u       // (-1152, -1152)
 #define H2_M64 0xD400D400u         // (-64, -64)
 #define H2_M96 0xD600D600u         // (-96, -96)
+#define H2_M72 0xD480D480u         // (-72, -72)
+#define H2_M1536 0xE600E600u       // (-1536, -1536)
 #define H2_1_16 0x2C002C00u        // (1/16, 1/16)
 
 // (a & mask) | c in one LOP3. Written as C, nvcc emits an AND and an OR with two immediates and
