@@ -701,6 +701,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     }
 
     float acc[NT][4];
+    const BarRef full0 = keep_bar(bar_ref(&s_full[0])), empty0 = keep_bar(bar_ref(&s_empty[0]));
     const LaneOffs lo = LaneOffs::kept(lane);    // lane offsets kept in registers for the loop
     int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
 #pragma unroll
@@ -862,7 +863,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
             issue_next();
         }
-        mbar_wait(&s_full[k], phase);            // this superblock has landed
+        mbar_wait(bar_at(full0, k), phase);      // this superblock has landed
         const unsigned char* st = smem + k * STAGE;
 #ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
         if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
@@ -909,7 +910,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         }
 #endif
         warp_sync();                             // every lane's reads of the stage are done
-        if (lane == 0) mbar_arrive(&s_empty[k]);
+        if (lane == 0) mbar_arrive(bar_at(empty0, k));
         if (sb != n_sb - 1 && f != f1 - 1) continue;
 #ifdef MM_NO_EXCHANGE     // benchmarks: no epilogue (every tile's result kept alive, or the
         {                     // compiler drops the MMAs of the tiles whose sums reach no memory)

@@ -232,14 +232,26 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(d), "l"(gmem), "r"(n), "r"(b) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+// A barrier by its shared-window address (BarRef: what a loop keeps in a register; from a generic
+// pointer ptxas recomputes the window address, an S2R and four integer instructions, every use).
+typedef unsigned BarRef;
+__device__ __forceinline__ BarRef bar_ref(unsigned long long* bar) { return (unsigned)__cvta_generic_to_shared(bar); }
+__device__ __forceinline__ BarRef bar_at(BarRef b, int k) { return b + 8u * (unsigned)k; }
+__device__ __forceinline__ BarRef keep_bar(BarRef b) {
+    asm volatile("" : "+r"(b));
+    return b;
+}
+__device__ __forceinline__ void mbar_wait(BarRef a, unsigned parity) {
     unsigned done = 0;
     do {
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
                      : "=r"(done) : "r"(a), "r"(parity) : "memory");
     } while (!done);
 }
+__device__ __forceinline__ void mbar_arrive(BarRef a) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) { mbar_wait(bar_ref(bar), parity); }
 #else     // software mbarrier (untested on ROCm hardware: no AMD machine here)
 #define TC_MB_ARRIVAL (1ull << 32)
 #if defined(__HIP_PLATFORM_AMD__)
@@ -282,6 +294,12 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
     }
 }
 #endif
+#endif
+#if !defined(TC_HAVE_TMA)      // the software barrier and the emulator's: a barrier is its pointer
+typedef unsigned long long* BarRef;
+__device__ __forceinline__ BarRef bar_ref(unsigned long long* bar) { return bar; }
+__device__ __forceinline__ BarRef bar_at(BarRef b, int k) { return b + k; }
+__device__ __forceinline__ BarRef keep_bar(BarRef b) { return b; }
 #endif
 
 // n bytes global -> shared for a whole warp (every lane calls it, after the mbar_expect that
