@@ -392,7 +392,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 #define H2_M1024 0xE400E400u       // (-1024, -1024)
 #define H2_M1152 0xE480E480u       // (-1152, -1152)
 #define H2_M64 0xD400D400u         // (-64, -64)
-#define H2_M96 0xD600D600u         // (-96, -96)
 #define H2_M72 0xD480D480u         // (-72, -72)
 #define H2_M1536 0xE600E600u       // (-1536, -1536)
 #define H2_1_16 0x2C002C00u        // (1/16, 1/16)
@@ -411,15 +410,8 @@ template <u32 MASK> __device__ __forceinline__ u32 lop_and_or(u32 a, u32 c) {
 #endif
 }
 
-// (n, n) as f16x2 for an integer 0 <= n < 1024: its bits under the exponent of 1024, minus 1024.
-__device__ __forceinline__ u32 h2_int_bcast(u32 n) { return h2sub(n | (n << 16) | H2_1024, H2_1024); }
-// (lo, hi) as f16x2 for integers 0 <= lo, hi < 1024.
+// (lo, hi) as f16x2 for integers 0 <= lo, hi < 1024: their bits under the exponent of 1024, minus 1024.
 __device__ __forceinline__ u32 h2_int_pair(u32 lo, u32 hi) { return h2sub(lo | (hi << 16) | H2_1024, H2_1024); }
-// (s, s) for a signed byte s (the low byte of b).
-__device__ __forceinline__ u32 h2_i8_bcast(u32 b) {
-    const u32 u = (b ^ 0x80u) & 0xffu;
-    return h2sub(u | (u << 16) | H2_1024, H2_1152);
-}
 
 // Natural column n of an activation row <-> its position in the tensor-core layout (see
 // mma_matmul.cu, "activations"): within each 256-column block, n = [c:2][p:3][e:3] is stored at
