@@ -221,10 +221,6 @@ __device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned by
     const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {     // release: this thread's reads are done
-    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
-}
 // n bytes (a multiple of 16, 16-byte aligned both sides) global -> shared, completing on bar.
 __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
@@ -248,7 +244,7 @@ __device__ __forceinline__ void mbar_wait(BarRef a, unsigned parity) {
                      : "=r"(done) : "r"(a), "r"(parity) : "memory");
     } while (!done);
 }
-__device__ __forceinline__ void mbar_arrive(BarRef a) {
+__device__ __forceinline__ void mbar_arrive(BarRef a) {   // release: this thread's reads are done
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) { mbar_wait(bar_ref(bar), parity); }
