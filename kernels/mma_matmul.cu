@@ -435,7 +435,14 @@ __device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const un
                                         const LaneOffs& lo, float (&tm)[NT][4]) {
     uint4 bq[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
+    for (int nt = 0; nt < NT; ++nt) {
+#ifdef MM_B_ONE_LOAD      // timing only (wrong results): every column tile reuses tile 0's activations, so a
+        // warp reads 1/NT of the B bytes from shared memory (does the wide product wait on them?)
+        bq[nt] = nt == 0 ? *(const uint4*)(sb_x + boff[0][P & 1] + P * 64) : bq[0];
+#else
+        bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
+#endif
+    }
     un.pair(ub, lo, P);
     u32 a[4];
     un.template frag<2 * P>(a);
