@@ -80,7 +80,12 @@ MATVEC_GROUPS = 4           # 32-thread row groups per block of the generic kern
 MATVEC_MAX_T = 8            # activation rows one matvec launch handles
 MATVEC_LOOP_MAX_T = 64      # up to this many rows, loop matvec launches; beyond, dequantise + GEMM
 DEQUANT_TILE_BYTES = 64 << 20   # f32 bytes of weight rows dequantised at a time on the GEMM path
-WIDE_MIN_T = 64             # rows from which a tensor-core weight's product is f16 dequantise + cuBLAS
+# Rows from which a tensor-core weight's product is f16 dequantise + cuBLAS, and a model forward leaves
+# the step (`wide_batch_min`). H200, 27B Q4_K_M (`dflashd bench --short-prompts`, 2026-12-01): steps of
+# 32 tokens take ~0.48 ms a token (32 ms for 64 tokens, 64 / 77 / 92 / 123 ms for 128 / 160 / 192 /
+# 256), one wide forward 76-135 ms whatever the length (every weight dequantised again, ~3,800 calls
+# from Python: it varies from run to run), so steps win up to ~190 tokens; at 160 they always won.
+WIDE_MIN_T = 160
 WIDE_SCRATCH_BYTES = 256 << 20  # f16 bytes of weight rows dequantised at a time on that path
 WEIGHT_PAD_BYTES = 16       # 2-byte-aligned words are read as aligned 32-bit pairs: may touch 2 bytes past the end
 DELTANET_COLS, DELTANET_PARTS = 32, 4   # DN_COLS, DN_PARTS in deltanet.cu

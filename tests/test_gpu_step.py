@@ -9,7 +9,7 @@ What the tests guard:
   costs the CPU model), and the same greedy tokens;
 - batch invariance end to end: a verify block, and a prefill in chunks of 32, give bit-identical
   logits and states to one-token steps;
-- wide forwards (prefill chunks of 64+ tokens: the backend operations, matmuls on f16-dequantised
+- wide forwards (prefill chunks of `wide_batch_min`+ tokens, 64 on the emulator: the backend operations, matmuls on f16-dequantised
   weights; on the GPU cuBLAS, on the emulator a float32 product of the same f16 units): close to
   the CPU, the state they leave written in place and decoding on from it;
 - sampled speculative decoding with device top-k verify rows = the AR sample;
@@ -193,7 +193,7 @@ def test_greedy_tokens_match_cpu(models):
     assert got == ref
 
 
-def test_wide_forward_close_to_cpu_and_decoding_goes_on(models):
+def test_wide_forward_close_to_cpu_and_decoding_goes_on(models, monkeypatch):
     """A forward of `wide_batch_min` tokens or more (prefill chunks) leaves the step for the backend
     operations, whose products are cuBLAS GEMMs on f16-dequantised weights: its logits stay as
     close to the CPU's as the step's own (f16 inputs), every logits mode answers as on the step, and
@@ -201,6 +201,12 @@ def test_wide_forward_close_to_cpu_and_decoding_goes_on(models):
     step's state table already points at) carries greedy decoding on the step to the CPU's tokens."""
     from daemons.qwen35 import Qwen35Model
     name, kind, cpu, dev = models
+    # the path from 64 tokens, whatever the speed-chosen switch (WIDE_MIN_T, 160 on a GPU): the error
+    # grows with the prompt and the limit below was set for a ~77-token forward of these tiny models;
+    # the backend's products then take cuBLAS from 64 rows too
+    from kernels import cuda_backend
+    monkeypatch.setattr(cuda_backend, "WIDE_MIN_T", 64)
+    monkeypatch.setattr(dev.backend, "wide_batch_min", min(dev.backend.wide_batch_min, 64))
     wide = dev.backend.wide_batch_min
     head, body = _prompt(cpu.n_vocab, 3, seed=11), _prompt(cpu.n_vocab, wide + 13, seed=12)
     sc, sd = cpu.new_state(160), dev.new_state(160)

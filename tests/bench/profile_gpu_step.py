@@ -8,7 +8,7 @@ Step widths: the launch list of a decode step (T = 1, advance) or a verify block
 256-token context, run back to back behind a busy-wait, each launch between two events, summed by
 kind over the layers (what `dflashd bench` prints for T = 1). Prefill: --prefill tokens from an
 empty state, first timed whole (best of two, one chunk), then once with every backend operation
-synchronised and timed alone (a forward of 64+ tokens leaves the step: daemons/qwen35.py).
+synchronised and timed alone (a forward of `WIDE_MIN_T` (160) or more tokens leaves the step: daemons/qwen35.py; `--prefill` below that runs as steps).
 `--device emu` runs the same code on the CPU emulator (tests/emu, host clock) as a smoke test of
 this script, with a small preset (`--synthetic embedded`).
 """
