@@ -27,6 +27,8 @@ What is printed (and written as JSON with --json):
 * verify ms for each width W (default 1, 8, 16, 23, 32): one forward of W tokens on top of that
   context with logits for all W, as speculative verification runs it (recurrent DeltaNet);
 * prefill tok/s for `--prefill` tokens (default 512) from an empty state;
+* with `--short-prompts 64,96,128` (GPU step): each such prompt timed as steps of at most 32 tokens
+  and as one wide forward, i.e. where the model should switch between them (`wide_batch_min`);
 * the bandwidth bound: bytes of weights one decode step reads (every matrix except the embedding
   table, of which one row) over the copy bandwidth measured in the same run (device-to-device copy,
   bytes read + written); the fraction = that time / the measured step time;
@@ -444,6 +446,9 @@ class BenchResult:
         if d.get("verify_graph_ms"):
             out.append("verify graph " + ", ".join(f"W={w}: {ms:.2f} ms" for w, ms in d["verify_graph_ms"].items())
                        + "  (device time of each verify step's CUDA graph)")
+        for n, sp in (d.get("short_prompts") or {}).items():
+            out.append(f"prompt {n:<6d} steps of <= 32 tokens {sp['steps_ms']:.1f} ms, one wide forward {sp['wide_ms']:.1f} ms"
+                       f" (the model runs it as {sp['used']})")
         if d.get("ops"):
             out.append("per-op (one decode step; each op synchronised, queued behind a busy-wait and timed alone "
                        "with device events):" if "graph_device_ms" not in d else
@@ -462,7 +467,7 @@ def _op_kind(label: str) -> str:
 
 
 def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: bool,
-                    log: Callable[[str], None]) -> dict:
+                    log: Callable[[str], None], short_prompts=()) -> dict:
     """The GPU step (daemons/qwen35_gpu.py): every step one CUDA graph launch. Decode and verify are
     timed as the serving loop runs them (greedy: only token ids come back); the graph's own device
     time is timed with events behind a busy-wait, and each of its launches alone the same way."""
@@ -548,6 +553,8 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
             reps.append(dev * 1e3)
         verify_graph_ms[wdt] = statistics.median(reps)
 
+    short = _short_prompts(model, short_prompts, rng, log) if short_prompts else {}
+
     ops_rows, per_op_sum = [], float("nan")
     if profile:
         ops = step.ops_for(1, "advance", "last")
@@ -576,7 +583,37 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
             ops_rows.append(row)
     return {"prefill_s": prefill_s, "step_s": step_s, "verify_ms": verify_ms, "commit_ms": commit_ms,
             "graph_dev_ms": graph_dev_ms, "verify_graph_ms": verify_graph_ms, "per_op_sum_ms": per_op_sum,
-            "ops": ops_rows}
+            "ops": ops_rows, "short_prompts": short}
+
+
+def _short_prompts(model, lengths, rng, log: Callable[[str], None]) -> dict:
+    """A prompt of each length from an empty state both ways a GPU model can run it: as steps of at
+    most 32 tokens (one CUDA graph each) and as one wide forward (the backend operations: every
+    tensor-core matrix dequantised to f16 for cuBLAS, ~50 ms whatever the length). The model
+    switches at `backend.wide_batch_min` tokens; these figures say where it should."""
+    b = model.backend
+    in_use = getattr(b, "wide_batch_min", math.inf)
+    res = {}
+    try:
+        for n in lengths:
+            prompt = rng.integers(0, model.n_vocab, size=n).tolist()
+            ms = {}
+            for path, threshold in (("steps", math.inf), ("wide", 1)):
+                b.wide_batch_min = threshold
+                best = math.inf
+                for _ in range(3):                  # the first run captures graphs / sets up cuBLAS
+                    st = model.new_state(n + 8)
+                    _sync(b)
+                    t0 = time.perf_counter()
+                    model.forward(prompt, st, logits="last")
+                    _sync(b)
+                    best = min(best, time.perf_counter() - t0)
+                ms[path] = best * 1e3
+            res[n] = {"steps_ms": ms["steps"], "wide_ms": ms["wide"], "used": "wide" if n >= in_use else "steps"}
+            log(f"prompt {n} tokens: steps {ms['steps']:.1f} ms, wide {ms['wide']:.1f} ms")
+    finally:
+        b.wide_batch_min = in_use
+    return res
 
 
 def _figures(model, copy_bps: float, bytes_per_step: int, total_bytes: int, prefill: int, prefill_s: float,
@@ -595,7 +632,8 @@ def _figures(model, copy_bps: float, bytes_per_step: int, total_bytes: int, pref
 
 
 def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: int = 512, seed: int = 0,
-              copy_bytes: int | None = None, profile: bool = True, log: Callable[[str], None] = print) -> BenchResult:
+              copy_bytes: int | None = None, profile: bool = True, log: Callable[[str], None] = print,
+              short_prompts=()) -> BenchResult:
     """Measure `model` (a loaded Qwen35Model on any backend); see the module docstring."""
     b = model.backend
     rng = np.random.default_rng(seed)
@@ -609,7 +647,8 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
     log(f"copy bandwidth {copy_bps / 1e9:.0f} GB/s")
 
     if getattr(model, "gpu_step", None) is not None:
-        r = _bench_gpu_step(model, tokens=tokens, widths=widths, prefill=prefill, rng=rng, profile=profile, log=log)
+        r = _bench_gpu_step(model, tokens=tokens, widths=widths, prefill=prefill, rng=rng, profile=profile, log=log,
+                            short_prompts=short_prompts)
         step_s = r["step_s"]
         data = _figures(model, copy_bps, bytes_per_step, total_bytes, prefill, r["prefill_s"], tokens, step_s,
                         r["verify_ms"])
@@ -617,7 +656,7 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
             "commit_ms": r["commit_ms"], "verify_graph_ms": r["verify_graph_ms"],
             "device_busy_ms": r["graph_dev_ms"], "graph_device_ms": r["graph_dev_ms"],
             "per_op_sum_ms": r["per_op_sum_ms"], "profiled_step_ms": float("nan"),
-            "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"],
+            "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"], "short_prompts": r["short_prompts"],
             "path": "gpu_step (CUDA graph per step)",
             "pdl": bool(getattr(b, "pdl_used", False)), "pdl_error": getattr(b, "pdl_error", None),
         })
@@ -713,13 +752,13 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
 # command
 # ------------------------------------------------------------------------------------------------
 
-def _parse_widths(text: str) -> tuple[int, ...]:
+def _parse_widths(text: str, flag: str = "--widths", limit: int = 256) -> tuple[int, ...]:
     try:
         widths = tuple(int(w) for w in text.split(",") if w.strip())
     except ValueError:
-        raise BenchError(f"--widths must be comma-separated integers, got '{text}'") from None
-    if not widths or any(w < 1 or w > 256 for w in widths):
-        raise BenchError(f"--widths must be integers in 1..256, got '{text}'")
+        raise BenchError(f"{flag} must be comma-separated integers, got '{text}'") from None
+    if not widths or any(w < 1 or w > limit for w in widths):
+        raise BenchError(f"{flag} must be integers in 1..{limit}, got '{text}'")
     return widths
 
 
@@ -735,16 +774,21 @@ def _parse_widths(text: str) -> tuple[int, ...]:
 @click.option("--prefill", type=click.IntRange(1, 1 << 20), default=512, show_default=True,
               help="prompt length for the prefill figure (also the context decode and verify run on)")
 @click.option("--widths", default="1,8,16,23,32", show_default=True, help="verify widths")
+@click.option("--short-prompts", default="", help="GPU: prompt lengths (e.g. 64,96,128) timed both as steps and as "
+              "one wide forward, to see where the model should switch (backend.wide_batch_min)")
 @click.option("--no-profile", is_flag=True, help="skip the per-operation breakdown")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the results here")
 @click.option("--seed", type=int, default=0, show_default=True)
-def bench(model_path, synthetic, synthetic_path, write_only, device, tokens, prefill, widths, no_profile, json_path,
-          seed):
+def bench(model_path, synthetic, synthetic_path, write_only, device, tokens, prefill, widths, short_prompts,
+          no_profile, json_path, seed):
     """Measure decode tok/s, verify ms, prefill tok/s, the fraction of the bandwidth bound and the
     host overhead per step, on a GGUF or on a synthetic model of a real shape."""
     if (model_path is None) == (synthetic is None):
         raise BenchError("give exactly one of --model or --synthetic")
     widths_t = _parse_widths(widths)
+    short_t = _parse_widths(short_prompts, "--short-prompts", 4096) if short_prompts else ()
+    if short_t and device == "cpu":
+        raise BenchError("--short-prompts compares the GPU step with the wide forward; give --device cuda:N")
     presets = _presets()
     cleanup = None
     if synthetic is not None:
@@ -782,7 +826,7 @@ def bench(model_path, synthetic, synthetic_path, write_only, device, tokens, pre
         _sync(backend)
         click.echo(f"loaded {model_path} on {backend.device} in {time.perf_counter() - t0:.1f} s", err=True)
         result = run_bench(model, tokens=tokens, widths=widths_t, prefill=prefill, seed=seed,
-                           profile=not no_profile, log=lambda m: click.echo(m, err=True))
+                           profile=not no_profile, log=lambda m: click.echo(m, err=True), short_prompts=short_t)
     finally:
         if cleanup is not None and os.path.exists(cleanup):
             os.unlink(cleanup)

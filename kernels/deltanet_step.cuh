@@ -50,7 +50,7 @@ __device__ __forceinline__ float dn_token(float (&s)[RPT], const float* sk, cons
         s[ii] *= decay;
         a[ii % W] = fmaf(s[ii], kr[ii], a[ii % W]);
     }
-    float kv = W == 4 ? (a[0] + a[1]) + (a[W > 2 ? 2 : 0] + a[W > 3 ? 3 : 0]) : a[0];
+    float kv = W == 4 ? (a[0] + a[W > 1 ? 1 : 0]) + (a[W > 2 ? 2 : 0] + a[W > 3 ? 3 : 0]) : a[0];
 #pragma unroll
     for (int m = 1; m < PARTS; m <<= 1) kv += DN_SHFL_XOR(kv, m);
     const float delta = bt * (vt - kv);
@@ -61,7 +61,7 @@ __device__ __forceinline__ float dn_token(float (&s)[RPT], const float* sk, cons
         s[ii] = fmaf(kr[ii], delta, s[ii]);
         a[ii % W] = fmaf(s[ii], qr[ii], a[ii % W]);
     }
-    float o = W == 4 ? (a[0] + a[1]) + (a[W > 2 ? 2 : 0] + a[W > 3 ? 3 : 0]) : a[0];
+    float o = W == 4 ? (a[0] + a[W > 1 ? 1 : 0]) + (a[W > 2 ? 2 : 0] + a[W > 3 ? 3 : 0]) : a[0];
 #pragma unroll
     for (int m = 1; m < PARTS; m <<= 1) o += DN_SHFL_XOR(o, m);
     return o;

@@ -280,10 +280,14 @@ struct UnitQ6K {
     // Register R of pair P as 1024 + 16 q6 (f16x2).
     template <int P, int R> __device__ __forceinline__ u32 code16() const {
         constexpr u32 M = 0x03F003F0u;
-        if (R < 3) return lop_and_or<M>(word<3 * P + R>(), H2_1024);
-        if (R < 6) return lop_and_or<M>(word<3 * P + R - 3>() >> 6, H2_1024);
-        const u32 hi = lop_and_or<0x03000300u>(word<3 * P + 1>() << (R == 6 ? 8 : 6), H2_1024);
-        return lop_and_or<0x00F000F0u>(word<3 * P + (R == 6 ? 0 : 2)>() << 4, hi);
+        if constexpr (R < 3) {
+            return lop_and_or<M>(word<3 * P + R>(), H2_1024);
+        } else if constexpr (R < 6) {
+            return lop_and_or<M>(word<3 * P + R - 3>() >> 6, H2_1024);
+        } else {
+            const u32 hi = lop_and_or<0x03000300u>(word<3 * P + 1>() << (R == 6 ? 8 : 6), H2_1024);
+            return lop_and_or<0x00F000F0u>(word<3 * P + (R == 6 ? 0 : 2)>() << 4, hi);
+        }
     }
     // (1024 + 16 q6) * sc/16 - 96 sc = (q6 - 32) * sc; registers r = 0, 2 are row g, 1, 3 row g + 8.
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
@@ -431,7 +435,14 @@ __device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const un
                                         const LaneOffs& lo, float (&tm)[NT][4]) {
     uint4 bq[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
+    for (int nt = 0; nt < NT; ++nt) {
+#ifdef MM_B_ONE_LOAD      // timing only (wrong results): every column tile reuses tile 0's activations, so a
+        // warp reads 1/NT of the B bytes from shared memory (does the wide product wait on them?)
+        bq[nt] = nt == 0 ? *(const uint4*)(sb_x + boff[0][P & 1] + P * 64) : bq[0];
+#else
+        bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
+#endif
+    }
     un.pair(ub, lo, P);
     u32 a[4];
     un.template frag<2 * P>(a);

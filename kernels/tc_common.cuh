@@ -222,10 +222,6 @@ __device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned by
     const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {     // release: this thread's reads are done
-    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
-}
 // n bytes (a multiple of 16, 16-byte aligned both sides) global -> shared, completing on bar.
 __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
@@ -249,7 +245,7 @@ __device__ __forceinline__ void mbar_wait(BarRef a, unsigned parity) {
                      : "=r"(done) : "r"(a), "r"(parity) : "memory");
     } while (!done);
 }
-__device__ __forceinline__ void mbar_arrive(BarRef a) {
+__device__ __forceinline__ void mbar_arrive(BarRef a) {   // release: this thread's reads are done
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) { mbar_wait(bar_ref(bar), parity); }
@@ -394,7 +390,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 #define H2_M1024 0xE400E400u       // (-1024, -1024)
 #define H2_M1152 0xE480E480u       // (-1152, -1152)
 #define H2_M64 0xD400D400u         // (-64, -64)
-#define H2_M96 0xD600D600u         // (-96, -96)
 #define H2_M72 0xD480D480u         // (-72, -72)
 #define H2_M1536 0xE600E600u       // (-1536, -1536)
 #define H2_1_16 0x2C002C00u        // (1/16, 1/16)
@@ -413,15 +408,8 @@ template <u32 MASK> __device__ __forceinline__ u32 lop_and_or(u32 a, u32 c) {
 #endif
 }
 
-// (n, n) as f16x2 for an integer 0 <= n < 1024: its bits under the exponent of 1024, minus 1024.
-__device__ __forceinline__ u32 h2_int_bcast(u32 n) { return h2sub(n | (n << 16) | H2_1024, H2_1024); }
-// (lo, hi) as f16x2 for integers 0 <= lo, hi < 1024.
+// (lo, hi) as f16x2 for integers 0 <= lo, hi < 1024: their bits under the exponent of 1024, minus 1024.
 __device__ __forceinline__ u32 h2_int_pair(u32 lo, u32 hi) { return h2sub(lo | (hi << 16) | H2_1024, H2_1024); }
-// (s, s) for a signed byte s (the low byte of b).
-__device__ __forceinline__ u32 h2_i8_bcast(u32 b) {
-    const u32 u = (b ^ 0x80u) & 0xffu;
-    return h2sub(u | (u << 16) | H2_1024, H2_1152);
-}
 
 // Natural column n of an activation row <-> its position in the tensor-core layout (see
 // mma_matmul.cu, "activations"): within each 256-column block, n = [c:2][p:3][e:3] is stored at

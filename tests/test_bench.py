@@ -180,3 +180,51 @@ def test_timeline_breakdown_sums_to_the_step():
     assert lag.tolist() == [0, 1, 1, 1, -10]
     assert run.tolist() == [5, 14, 5, 13, 5]
     assert early.tolist() == [0, 4, 6, 11, 0]
+
+
+def test_short_prompts_time_both_paths_and_restore_the_switch(tmp_path):
+    """`--short-prompts` (GPU): each prompt runs as steps and as one wide forward by moving the
+    model's switch (`backend.wide_batch_min`); the switch must be back where it was afterwards, also
+    when a run fails, or every later prompt of the process would take the forced path. On the CPU
+    emulator (the GPU step's Python and kernels), with a tiny Q8_0 model."""
+    from gguf import GGMLQuantizationType as QT
+    from daemons.bench import BenchResult, _short_prompts
+    from daemons.synthetic import write_synthetic_qwen35
+    from tests.emu import EmuBackend, emu_unavailable_reason
+    if emu_unavailable_reason() is not None:
+        pytest.skip(f"emulator: {emu_unavailable_reason()}")
+    path = tmp_path / "tiny.gguf"
+    write_synthetic_qwen35(path, "tiny", qtype=QT.Q8_0, seed=7)
+    backend = EmuBackend()
+    model = Qwen35Model.load(path, backend)
+    assert model.gpu_step is not None
+    backend.wide_batch_min = 6
+    seen = []
+    real_forward = model.forward
+
+    def forward(ids, state, **kw):
+        seen.append((len(ids), backend.wide_batch_min))
+        return real_forward(ids, state, **kw)
+
+    model.forward = forward
+    res = _short_prompts(model, (4, 8), np.random.default_rng(0), log=lambda m: None)
+    assert backend.wide_batch_min == 6
+    assert set(res) == {4, 8} and res[4]["used"] == "steps" and res[8]["used"] == "wide"
+    assert all(v["steps_ms"] > 0 and v["wide_ms"] > 0 for v in res.values())
+    assert {(n, t) for n, t in seen} == {(4, float("inf")), (4, 1), (8, float("inf")), (8, 1)}
+    line = [l for l in BenchResult({"short_prompts": res, **_FAKE_FIGURES}).lines() if l.startswith("prompt 8")]
+    assert line and "(the model runs it as wide)" in line[0]
+
+    def broken(ids, state, **kw):
+        raise RuntimeError("device lost")
+
+    model.forward = broken
+    with pytest.raises(RuntimeError):
+        _short_prompts(model, (4,), np.random.default_rng(0), log=lambda m: None)
+    assert backend.wide_batch_min == 6
+
+
+_FAKE_FIGURES = {"model": "m", "weights_gb": 1.0, "device": "cuda:0", "copy_GBps": 1.0, "prefill_tokens": 1,
+                 "prefill_ms": 1.0, "prefill_tok_s": 1.0, "decode_tok_s": 1.0, "decode_ms": 1.0, "decode_steps": 1,
+                 "context": 1, "verify_ms": {}, "bytes_per_step": 1, "bound_ms": 1.0, "bound_fraction": 1.0,
+                 "host_overhead_ms": 0.0, "ops": []}

@@ -33,7 +33,7 @@ from daemons.gguf_reader import GGUFTensor
 from kernels import ggml_quants
 from kernels.backend import BackendError
 from kernels.cpu_backend import CPUBackend
-from kernels.cuda_backend import MATVEC_CONFIGS, MATVEC_MAX_T, CudaBackend
+from kernels.cuda_backend import MATVEC_CONFIGS, MATVEC_MAX_T, WIDE_MIN_T, CudaBackend
 from kernels.matmul import QuantizedWeight, matmul as cpu_matmul
 from tests.gpu_helpers import GPU_MARKS
 
@@ -152,7 +152,7 @@ TC_CASES = [(QT.Q4_K, 70, 512), (QT.Q5_K, 33, 768), (QT.Q6_K, 48, 256), (QT.IQ4_
 
 
 @apply_marks
-@pytest.mark.parametrize("n_t", [9, 63, 64, 200])
+@pytest.mark.parametrize("n_t", [9, WIDE_MIN_T - 1, WIDE_MIN_T, 200])   # both sides of the switch
 @pytest.mark.parametrize("case", TC_CASES, ids=_case_id)
 def test_tensor_core_weight_matmul_matches_cpu(gpu, case, n_t, monkeypatch):
     """Tensor-core weights (load_matmul_weight): below WIDE_MIN_T rows the step's kernel, from it
