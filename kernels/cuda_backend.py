@@ -178,8 +178,14 @@ def step_timeline_tables(cp) -> list:
     built with the step timeline."""
     with _MODULES._lock:
         mods = [mod for (_src, defines), mod in _MODULES._cache.items() if "STEP_TIMELINE" in defines]
-    return [cp.ndarray((TIMELINE_SLOTS, TIMELINE_FIELDS), dtype=cp.uint64, memptr=mod.get_global("tl_tab"))
-            for mod in mods]
+    tables = []
+    for mod in mods:
+        try:                      # modules that include no timeline.cuh (ops.cu, attention.cu, ...) have no table
+            ptr = mod.get_global("tl_tab")
+        except Exception:
+            continue
+        tables.append(cp.ndarray((TIMELINE_SLOTS, TIMELINE_FIELDS), dtype=cp.uint64, memptr=ptr))
+    return tables
 
 
 def _inline_includes(code: str) -> str:
