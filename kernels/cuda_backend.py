@@ -144,8 +144,10 @@ class _Modules:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._sources: dict[str, str] = {}
+        self.extra_defines: tuple[str, ...] = ()      # added to every module's (set_step_timeline)
 
     def get(self, cp, source: str, defines: tuple[str, ...] = ()):
+        defines = tuple(defines) + self.extra_defines
         key = (source, defines)
         with self._lock:
             mod = self._cache.get(key)
@@ -167,6 +169,29 @@ class _Modules:
 
 _MODULES = _Modules()
 
+TIMELINE_SLOTS, TIMELINE_FIELDS = 4096, 6       # kernels/timeline.cuh TL_SLOTS, TL_FIELDS
+
+
+def set_step_timeline(on: bool) -> None:
+    """Build every module from now on with the step timeline (kernels/timeline.cuh): a benchmark's
+    switch (tests/bench/timeline_gpu_step.py), set before the kernels it times are first loaded."""
+    _MODULES.extra_defines = ("STEP_TIMELINE",) if on else ()
+
+
+def step_timeline_tables(cp) -> list:
+    """The timeline table ([TIMELINE_SLOTS, TIMELINE_FIELDS] uint64, on the device) of every module
+    built with the step timeline."""
+    with _MODULES._lock:
+        mods = [mod for (_src, defines), mod in _MODULES._cache.items() if "STEP_TIMELINE" in defines]
+    tables = []
+    for mod in mods:
+        try:                      # modules that include no timeline.cuh (ops.cu, attention.cu, ...) have no table
+            ptr = mod.get_global("tl_tab")
+        except Exception:
+            continue
+        tables.append(cp.ndarray((TIMELINE_SLOTS, TIMELINE_FIELDS), dtype=cp.uint64, memptr=ptr))
+    return tables
+
 
 def _inline_includes(code: str) -> str:
     """Replace `#include "x.cuh"` of a file in kernels/ by its text: CuPy keys its compile cache on the
@@ -175,7 +200,7 @@ def _inline_includes(code: str) -> str:
     for line in code.splitlines():
         stripped = line.strip()
         if stripped.startswith('#include "') and stripped.endswith('.cuh"'):
-            out.append((_KERNEL_DIR / stripped[len('#include "'):-1]).read_text())
+            out.append(_inline_includes((_KERNEL_DIR / stripped[len('#include "'):-1]).read_text()))   # headers include headers
         else:
             out.append(line)
     return "\n".join(out) + "\n"

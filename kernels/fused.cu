@@ -168,7 +168,7 @@ __device__ __forceinline__ float row_sum_squares(const float* xr, const long lon
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
     const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
     u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc, float* __restrict__ x_out,
-    long long* __restrict__ acc_zero, int cols) {
+    long long* __restrict__ acc_zero, int cols) { TL_SCOPE;
     __shared__ float vals[PREP_COLS];
     __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -199,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows_wide(
     const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
     u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc, float* __restrict__ x_out,
-    long long* __restrict__ acc_zero, int cols) {
+    long long* __restrict__ acc_zero, int cols) { TL_SCOPE;
     constexpr int CHUNKS = PREP_MAX_COLS / FUSED_THREADS;
     __shared__ __align__(16) float own[PREP_MAX_COLS];   // this block's columns: x + acc, then the outputs
     __shared__ float red[33];
@@ -257,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     const float* __restrict__ conv_w, const long long* __restrict__ ab, const float* __restrict__ dt_bias,
     const float* __restrict__ ssm_a, float* __restrict__ rec, int T, int nk, int nv, int dk, int dv, int Kc,
     float eps, int write_state, float* __restrict__ state_save, float* __restrict__ qkv_save,
-    long long* __restrict__ qkv_clear, long long* __restrict__ ab_clear, int tpb) {
+    long long* __restrict__ qkv_clear, long long* __restrict__ ab_clear, int tpb) { TL_SCOPE;
     DYN_SMEM(float, sm);
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     const int b = blockIdx.x;
@@ -472,18 +472,18 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
 #define GDN_ARGS const unsigned long long* __restrict__ tbl, int T, const int* __restrict__ n_dev, \
                  float* __restrict__ out, int nk, int nv, int dk, int dv, float scale, int chunk
 #define GDN_CALL tbl, T, n_dev, out, nk, nv, dk, dv, scale, chunk
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r1(GDN_ARGS) { gdn_recur_impl<1>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r4(GDN_ARGS) { gdn_recur_impl<4>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r8(GDN_ARGS) { gdn_recur_impl<8>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r16(GDN_ARGS) { gdn_recur_impl<16>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r32(GDN_ARGS) { gdn_recur_impl<32>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r1(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<1>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r4(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<4>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r8(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<8>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r16(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<16>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r32(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<32>(GDN_CALL); }
 
 // ---------------------------------------------------------------------------------------------
 // gdn_commit_conv: the conv state after n = params[1] tokens of a verified block is rows n..n+Kc-2
 // of the layer's verify record [Kc-1+T][C] (the state before the block, then the block's inputs).
 // Per layer slot z (grid.y): tbl[2z] the record, tbl[2z+1] the conv state [Kc-1][C].
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_commit_conv(
-    const unsigned long long* __restrict__ tbl, const int* __restrict__ params, int C, int Kc) {
+    const unsigned long long* __restrict__ tbl, const int* __restrict__ params, int C, int Kc) { TL_SCOPE;
     const int z = blockIdx.y;
     const float* rec = (const float*)tbl[2 * z];
     float* state = (float*)tbl[2 * z + 1];
@@ -498,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_commit_conv(
 // gate projection's int64 fixed-point sum (mm_tc MODE_ADD), cleared as it is read.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_out_prep(
     const float* __restrict__ o, long long* __restrict__ zb, int ldz, const float* __restrict__ w, float eps,
-    int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs) {
+    int nv, int dv, u16* __restrict__ out16, u16* __restrict__ outxs) { TL_SCOPE;
     __shared__ float vals[PREP_COLS];
     __shared__ float inv_h[PREP_COLS + 1];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -558,7 +558,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
     const float* __restrict__ qg, const float* __restrict__ kb, const float* __restrict__ vb,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps, const int* __restrict__ params,
     const unsigned long long* __restrict__ tbl, int slot, float* __restrict__ qout, int H, int Hkv, int D,
-    int n_rot, double theta) {
+    int n_rot, double theta) { TL_SCOPE;
     __shared__ float xsm[256];
     __shared__ float red[33];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -610,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
     int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
-    float scale) {
+    float scale) { TL_SCOPE;
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_o[ATT_WARPS][256];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -710,7 +710,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ qg, int H,
-    int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs) {
+    int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs) { TL_SCOPE;
     __shared__ float vals[PREP_COLS];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
@@ -766,7 +766,7 @@ __device__ __forceinline__ bool am_better(float a, int ia, float b, int ib) {
 // chunks. The order of (value, index) is total, so the result does not depend on who finishes last.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(
     const float* __restrict__ x, int V, int ld, int* __restrict__ out, float* __restrict__ part_v,
-    int* __restrict__ part_i, int* __restrict__ counters) {
+    int* __restrict__ part_i, int* __restrict__ counters) { TL_SCOPE;
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int s_last;
@@ -835,7 +835,7 @@ __device__ __forceinline__ unsigned topk_key(float v) {
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_row(
     const float* __restrict__ x, int V, int ld, int k, int* __restrict__ out_ids, float* __restrict__ out_vals,
-    int* __restrict__ meta) {
+    int* __restrict__ meta) { TL_SCOPE;
     __shared__ int hist[256];
     __shared__ unsigned s_prefix;
     __shared__ int s_rem, s_bad;

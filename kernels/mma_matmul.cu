@@ -989,7 +989,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 extern "C" __global__ void __launch_bounds__(MM_BLOCK_THREADS(MM_NT), 4)
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
       int n_sb, int T, float* __restrict__ ws, int* __restrict__ counters,
-      u16* __restrict__ out16, u16* __restrict__ outxs) {
+      u16* __restrict__ out16, u16* __restrict__ outxs) { TL_SCOPE;
     mm_tc_impl<MM_QT, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs);
 }
 #else
@@ -1070,7 +1070,7 @@ __device__ __forceinline__ void repack_units(u32* __restrict__ out, int n_sb, lo
 }
 
 extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
-                                       int row_bytes, int n_sb, long long n_words) {
+                                       int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
     repack_units<2304>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v;
         if (o < 2048) {
@@ -1086,7 +1086,7 @@ extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u3
 }
 
 extern "C" __global__ void repack_q5_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
-                                       int row_bytes, int n_sb, long long n_words) {
+                                       int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
     repack_units<2816>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 2048) {
@@ -1134,7 +1134,7 @@ __device__ __forceinline__ u32 q6_code(const unsigned char* raw, int row_bytes, 
 }
 
 extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
-                                       int row_bytes, int n_sb, long long n_words) {
+                                       int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
     repack_units<3360>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 3072) {
@@ -1182,7 +1182,7 @@ __device__ __forceinline__ u32 iq4_code(const unsigned char* raw, int row_bytes,
 
 // n_in is a whole number of superblocks (FusedGpu.repack checks), so every superblock is real.
 extern "C" __global__ void repack_iq4_xs(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
-                                         int row_bytes, int n_sb, long long n_words) {
+                                         int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
     repack_units<2176>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 2048) {
@@ -1208,7 +1208,7 @@ extern "C" __global__ void repack_iq4_xs(const unsigned char* __restrict__ raw, 
 
 // Q8_0: a unit is 8 consecutive blocks of 32; n_blk = n_in / 32 real blocks per row.
 extern "C" __global__ void repack_q8_0(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
-                                       int row_bytes, int n_sb, int n_blk, long long n_words) {
+                                       int row_bytes, int n_sb, int n_blk, long long n_words) { TL_SCOPE;
     repack_units<4352>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 4096) {
@@ -1241,7 +1241,7 @@ extern "C" __global__ void repack_q8_0(const unsigned char* __restrict__ raw, u3
 
 // F16: n_in real columns.
 extern "C" __global__ void repack_f16(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
-                                      int row_bytes, int n_sb, int n_in, long long n_words) {
+                                      int row_bytes, int n_sb, int n_in, long long n_words) { TL_SCOPE;
     repack_units<8192>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         const int s = o / 512, lane = (o % 512) / 16, r = (o % 16) / 4;
         u32 v = 0;
@@ -1332,7 +1332,7 @@ __device__ __forceinline__ void units_f16_impl(const unsigned char* __restrict__
 }
 #define UNITS_F16(NAME, QT)                                                                                        \
     extern "C" __global__ void __launch_bounds__(UF_WARPS * 32) NAME(                                              \
-        const unsigned char* __restrict__ units, u16* __restrict__ out, int n_sb, int tile0, int n_tiles, int ld) { \
+        const unsigned char* __restrict__ units, u16* __restrict__ out, int n_sb, int tile0, int n_tiles, int ld) { TL_SCOPE; \
         units_f16_impl<QT>(units, out, n_sb, tile0, n_tiles, ld);                                                  \
     }
 UNITS_F16(units_f16_q4_k, QT_Q4_K)

@@ -23,6 +23,9 @@
 // 4-column units, so consecutive threads read consecutive weight words and consecutive x floats
 // (coalesced), and every x float loaded into a register is used for all R rows.
 
+// the benchmarks' step timeline (TL_SCOPE: nothing in other builds)
+#include "timeline.cuh"
+
 #ifdef __HIP_PLATFORM_AMD__
 #define SHFL_DOWN(v, off) __shfl_down((v), (off))
 #define SHFL_XOR32(v, m) __shfl_xor((v), (m), 32)
@@ -430,19 +433,19 @@ __device__ __forceinline__ void f16_matvec_impl(const unsigned char* __restrict_
 #endif
 
 #if defined(MV_T) && !defined(MV_QTYPE)
-extern "C" __global__ void __launch_bounds__(MV_BLOCK) q8_0_matvec(MV_ARGS) {
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) q8_0_matvec(MV_ARGS) { TL_SCOPE;
     q8_0_matvec_impl<MV_T, MV_R, MV_U>(w, x, y, n_out, n_in, row_bytes);
 }
-extern "C" __global__ void __launch_bounds__(MV_BLOCK) q4_k_matvec(MV_ARGS) {
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) q4_k_matvec(MV_ARGS) { TL_SCOPE;
     q4_k_matvec_impl<MV_T, MV_R, MV_U>(w, x, y, n_out, n_in, row_bytes);
 }
-extern "C" __global__ void __launch_bounds__(MV_BLOCK) f16_matvec(MV_ARGS) {
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) f16_matvec(MV_ARGS) { TL_SCOPE;
     f16_matvec_impl<MV_T, MV_R, ROW_F16>(w, x, y, n_out, n_in, row_bytes);
 }
-extern "C" __global__ void __launch_bounds__(MV_BLOCK) bf16_matvec(MV_ARGS) {
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) bf16_matvec(MV_ARGS) { TL_SCOPE;
     f16_matvec_impl<MV_T, MV_R, ROW_BF16>(w, x, y, n_out, n_in, row_bytes);
 }
-extern "C" __global__ void __launch_bounds__(MV_BLOCK) f32_matvec(MV_ARGS) {
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) f32_matvec(MV_ARGS) { TL_SCOPE;
     f16_matvec_impl<MV_T, MV_R, ROW_F32>(w, x, y, n_out, n_in, row_bytes);
 }
 #endif
@@ -661,7 +664,7 @@ __device__ __forceinline__ void block_matvec_impl(const unsigned char* __restric
 }
 
 #if defined(MV_T) && defined(MV_QTYPE)
-extern "C" __global__ void __launch_bounds__(MV_BLOCK) block_matvec(MV_ARGS) {
+extern "C" __global__ void __launch_bounds__(MV_BLOCK) block_matvec(MV_ARGS) { TL_SCOPE;
     block_matvec_impl<MV_T, MV_R, MV_QTYPE>(w, x, y, n_out, n_in, row_bytes);
 }
 #endif
@@ -679,7 +682,7 @@ __device__ __forceinline__ size_t dq_row_offset(const int* row_ids, int row_star
     return src * (size_t)row_bytes;
 }
 
-extern "C" __global__ void dequant_q8_0(DQ_ARGS) {
+extern "C" __global__ void dequant_q8_0(DQ_ARGS) { TL_SCOPE;
     const size_t total = (size_t)n_rows * n_in;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / n_in;
@@ -690,7 +693,7 @@ extern "C" __global__ void dequant_q8_0(DQ_ARGS) {
     }
 }
 
-extern "C" __global__ void dequant_q4_k(DQ_ARGS) {
+extern "C" __global__ void dequant_q4_k(DQ_ARGS) { TL_SCOPE;
     const size_t total = (size_t)n_rows * n_in;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / n_in;
@@ -709,7 +712,7 @@ extern "C" __global__ void dequant_q4_k(DQ_ARGS) {
     }
 }
 
-extern "C" __global__ void dequant_f16(DQ_ARGS) {
+extern "C" __global__ void dequant_f16(DQ_ARGS) { TL_SCOPE;
     const size_t total = (size_t)n_rows * n_in;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / n_in;
@@ -718,7 +721,7 @@ extern "C" __global__ void dequant_f16(DQ_ARGS) {
     }
 }
 
-extern "C" __global__ void dequant_bf16(DQ_ARGS) {
+extern "C" __global__ void dequant_bf16(DQ_ARGS) { TL_SCOPE;
     const size_t total = (size_t)n_rows * n_in;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / n_in;
@@ -749,7 +752,7 @@ __device__ __forceinline__ void dequant_block_impl(const unsigned char* __restri
 }
 
 #define DQB(name, QT) \
-    extern "C" __global__ void name(DQ_ARGS) { dequant_block_impl<QT>(w, row_ids, row_start, out, n_rows, n_in, row_bytes); }
+    extern "C" __global__ void name(DQ_ARGS) { TL_SCOPE; dequant_block_impl<QT>(w, row_ids, row_start, out, n_rows, n_in, row_bytes); }
 DQB(dequant_block_q4_0, QT_Q4_0)
 DQB(dequant_block_q4_1, QT_Q4_1)
 DQB(dequant_block_q5_0, QT_Q5_0)
@@ -760,7 +763,7 @@ DQB(dequant_block_q5_k, QT_Q5_K)
 DQB(dequant_block_q6_k, QT_Q6_K)
 DQB(dequant_block_iq4_xs, QT_IQ4_XS)
 
-extern "C" __global__ void dequant_f32(DQ_ARGS) {
+extern "C" __global__ void dequant_f32(DQ_ARGS) { TL_SCOPE;
     const size_t total = (size_t)n_rows * n_in;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / n_in;

@@ -22,6 +22,7 @@
 #elif defined(__HIP_PLATFORM_AMD__)
 #include <hip/hip_runtime.h>
 #endif
+#include "timeline.cuh"
 
 typedef unsigned int u32;
 
@@ -338,6 +339,7 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(__HIP_PLATFORM_AMD__)
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    tl_mark(1);
 }
 __device__ __forceinline__ void trigger_dependents() {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(__HIP_PLATFORM_AMD__)

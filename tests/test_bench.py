@@ -157,6 +157,31 @@ def test_drop_ops_script_leaves_out_only_the_named_kinds():
     assert seen == {"gdn_recur", "mm ssm_out Q4_K"}
 
 
+def test_timeline_breakdown_sums_to_the_step():
+    """tests/bench/timeline_gpu_step.py attributes a graph's time to its launches from their recorded
+    start / release / end: the "adds" column must sum to the step's span, a launch that ends under
+    an earlier one adds nothing, and a launch without a dependency wait (released = -1) is taken as
+    released at its start."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("timeline_gpu_step", root / "tests" / "bench" / "timeline_gpu_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # grid id, start, released first, released last, end, blocks (ns)
+    r = np.array([[10, 0, -1, -1, 5, 1],            # embed: no wait, released at its start
+                  [11, 2, 6, 7, 20, 4],             # waits 1 past the embed's end
+                  [12, 15, 21, 21, 26, 4],
+                  [13, 16, 27, 28, 40, 4],
+                  [14, 30, -1, -1, 35, 1]], dtype=np.int64)   # runs under the one before: adds nothing
+    adds, lag, run, early, step = mod.breakdown(r)
+    assert step == 40 and int(adds.sum()) == step
+    assert adds.tolist() == [5, 15, 6, 14, 0]
+    assert lag.tolist() == [0, 1, 1, 1, -10]
+    assert run.tolist() == [5, 14, 5, 13, 5]
+    assert early.tolist() == [0, 4, 6, 11, 0]
+
+
 def test_short_prompts_time_both_paths_and_restore_the_switch(tmp_path):
     """`--short-prompts` (GPU): each prompt runs as steps and as one wide forward by moving the
     model's switch (`backend.wide_batch_min`); the switch must be back where it was afterwards, also

@@ -112,8 +112,8 @@ class _EmuKernel:
 def _inline_includes(code: str) -> str:
     """Every `#include "x.cuh"` of a kernels/ header replaced by its text (as kernels/cuda_backend.py
     does for CuPy), so the build cache key covers the headers too."""
-    return re.sub(r'^\s*#include "(\w+\.cuh)"\s*$', lambda m: (KERNELS / m.group(1)).read_text(), code,
-                  flags=re.MULTILINE)
+    return re.sub(r'^\s*#include "(\w+\.cuh)"\s*$', lambda m: _inline_includes((KERNELS / m.group(1)).read_text()),
+                  code, flags=re.MULTILINE)            # (headers include headers)
 
 
 def _flags(extra: Iterable[str] = ()) -> list[str]:
