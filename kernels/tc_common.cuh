@@ -348,6 +348,46 @@ __device__ __forceinline__ void trigger_dependents() {
 }
 #endif
 
+// Thread-block clusters (sm_90): kernels compiled with `__cluster_dims__` are named ..._clx<N> /
+// _cly<N> (N blocks along x / y), which tells tests/emu to run them as such clusters. The barrier
+// comes as its two halves: what a thread wrote to shared memory before cluster_arrive() (release)
+// is visible to every thread of the cluster after its cluster_wait() (acquire); cluster_ld_f32 reads
+// the float at the same shared-memory address in the block of another rank (distributed shared
+// memory: only dynamic shared memory in kernels the emulator runs, where a `__shared__` object is
+// one static for all blocks). A block must not exit while another may still read its shared
+// memory: such kernels arrive after their last remote read and wait before they return. HIP and
+// GPUs before sm_90 have no clusters (TC_HAVE_CLUSTERS undefined): the host never launches these.
+#if defined(DFLASH_EMU)
+inline unsigned cluster_rank() { return emu_cluster_rank(); }
+inline void cluster_arrive() { emu_cluster_arrive(); }
+inline void cluster_wait() { emu_cluster_wait(); }
+inline float cluster_ld_f32(const float* p, unsigned rank) { return *(const float*)emu_cluster_map(p, rank); }
+#define TC_HAVE_CLUSTERS 1
+#elif !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ float cluster_ld_f32(const float* p, unsigned rank) {
+    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#define TC_HAVE_CLUSTERS 1
+#else
+// declared only, for templates whose cluster branches these builds never instantiate
+__device__ unsigned cluster_rank();
+__device__ void cluster_arrive();
+__device__ void cluster_wait();
+__device__ float cluster_ld_f32(const float* p, unsigned rank);
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // The MMA, built from shuffles (HIP, or -DMMA_PORTABLE): each lane gathers the A row elements and
 // B column elements its four outputs need from the lanes that hold them. Exact f16 products,

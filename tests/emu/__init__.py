@@ -51,6 +51,7 @@ class _Library:
         self.lib = ctypes.CDLL(str(path))
         self.lib.emu_config.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_ulonglong]
         self.lib.emu_block_order.argtypes = [ctypes.c_int]
+        self.lib.emu_cluster_config.argtypes = [ctypes.c_uint] * 3
         self.reverse_blocks = False
         self._lock = threading.Lock()
 
@@ -89,9 +90,21 @@ class _DevPtr:
         self.value = int(value)
 
 
+def cluster_shape(symbol: str) -> tuple[int, int, int]:
+    """The thread-block cluster a kernel runs in, from its name: kernels/*.cu give a kernel compiled
+    with `__cluster_dims__` a name ending in `_clx<N>` (N blocks along x) or `_cly<N>` (along y), which
+    the emulator (where the attribute is compiled out) runs as such a cluster."""
+    m = re.search(r"_cl([xy])(\d+)$", symbol)
+    if m is None:
+        return (1, 1, 1)
+    n = int(m.group(2))
+    return (n, 1, 1) if m.group(1) == "x" else (1, n, 1)
+
+
 class _EmuKernel:
     def __init__(self, lib: _Library, symbol: str, address: int):
         self.lib, self.symbol, self.address = lib, symbol, address
+        self.cluster = cluster_shape(symbol)
         self._fn_cache: dict[tuple, Any] = {}
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0) -> None:
@@ -106,6 +119,7 @@ class _EmuKernel:
         with self.lib._lock:
             self.lib.lib.emu_block_order(1 if self.lib.reverse_blocks else 0)
             self.lib.lib.emu_config(*(int(g) for g in grid), *(int(b) for b in block), int(shared_mem))
+            self.lib.lib.emu_cluster_config(*self.cluster)
             fn(*[v for _, v in conv])
 
 
@@ -152,6 +166,7 @@ class EmuDevice:
     name = "emu"
     device = "emu:0"
     supports_graphs = False
+    supports_clusters = True        # emu.cpp runs a cluster's blocks side by side
     multiprocessors = 4
 
     def __init__(self):

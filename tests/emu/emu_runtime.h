@@ -46,6 +46,7 @@ extern EmuDim gridDim;
 #define __shared__ static
 #define __constant__
 #define __align__(n) __attribute__((aligned(n)))
+#define __cluster_dims__(...)      // the launcher sets the shape (tests/emu/__init__.py, "_cly<N>" kernels)
 
 using std::min;
 using std::max;
@@ -57,6 +58,11 @@ void emu_spin();                                         // a waiting thread let
 [[noreturn]] void emu_fail(const char* what);
 unsigned int* emu_warp_slots();   // [32][8] words of the calling thread's warp
 void* emu_dyn_smem();
+unsigned emu_cluster_rank();                             // thread-block clusters (emu.cpp)
+unsigned emu_cluster_size();
+void emu_cluster_arrive();
+void emu_cluster_wait();
+void* emu_cluster_map(const void* local_smem, unsigned rank);
 
 inline void __syncthreads() { emu_syncthreads(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
