@@ -269,6 +269,11 @@ class CudaBackend:
     def multiprocessors(self) -> int:
         return int(self._device.attributes.get("MultiProcessorCount", 132))
 
+    @property
+    def supports_clusters(self) -> bool:
+        """Thread-block clusters (kernels/fused.cu *_cly<N> kernels): CUDA sm_90 and later."""
+        return not self._cp.cuda.runtime.is_hip and int(self._device.compute_capability) >= 90
+
     @staticmethod
     def ptr(array) -> int:
         """Device address of an array's first element."""

@@ -4,12 +4,15 @@
 // whole step can be captured once as a CUDA graph and replayed.
 //
 //   prep_rows          RMSNorm (or nothing) of activation rows -> f16 act16 rows + block sums, the
-//                      input format of mma_matmul.cu
+//                      input format of mma_matmul.cu (prep_rows_cly<N>: a row's column blocks as
+//                      one thread-block cluster, sm_90)
 //   gdn_conv           DeltaNet: causal conv + silu over the q|k|v channels, L2 norm of q and k,
 //                      the gates g = a * softplus(alpha + dt_bias) and beta = sigmoid(b)
 //   gdn_recur          DeltaNet: the gated delta rule, token by token (math §3.6), in three modes:
 //                      advance (state in place), verify (state untouched, a backup written) and
-//                      commit (replay n tokens from the backup into the state: exact rollback)
+//                      commit (replay n tokens from the backup into the state: exact rollback);
+//                      gdn_recur_norm_*: with gdn_out_prep's work fused in (a head's column blocks
+//                      as one cluster, sm_90)
 //   gdn_out_prep       DeltaNet: gated RMSNorm of the output -> act16
 //   attn_qk_rope_kv    attention: q/k RMSNorm, partial NeoX RoPE, K/V written into the cache
 //   attn_partial       attention: softmax over a split of the keys (flash-decoding style)
@@ -55,6 +58,34 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// One group of 8 columns of the activation format: v[0..8) (natural columns n .. n+7 of row t,
+// n % 8 == 0) as f16 into out16, then the 32-column block's sum (the four groups of lanes 4k..4k+3,
+// which must be the groups of one 32-column block) as f16 hi + lo into outxs. Every lane of the warp
+// calls it (shuffles); lanes with valid false take part with nothing to write.
+__device__ __forceinline__ void act_group(const float* v, bool valid, int n, int t, u16* __restrict__ out16,
+                                          u16* __restrict__ outxs) {
+    float s = 0.0f;
+    if (valid) {
+        u32 packed[4];
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            const u16 h0 = f2h(v[e]), h1 = f2h(v[e + 1]);
+            s += h2f(h0);
+            s += h2f(h1);
+            packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
+        }
+        *(uint4*)(out16 + act_index(t, n)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+    s += shfl_xor(s, 1);
+    s += shfl_xor(s, 2);
+    if (valid && (threadIdx.x & 3) == 0 && outxs != nullptr) {
+        const u16 hi = f2h(s);
+        const u16 lo = f2h(s - h2f(hi));
+        outxs[xs_index(t, n >> 5)] = hi;
+        outxs[xs_index(t, n >> 5) + 2] = lo;
+    }
+}
+
 // vals[0..count) (smem) = natural columns n0 .. n0+count-1 of row t -> that row of an activation
 // buffer (f16, permuted: tc_common.cuh act_index) and the block sums of those columns. n0 % 32 == 0
 // and count % 8 == 0; a 32-column block must lie inside the range (count % 32 == 0, or the range
@@ -64,27 +95,18 @@ __device__ void prep_cols(const float* vals, int n0, int count, int t, u16* __re
     const int n_pad = (n_groups + blockDim.x - 1) / blockDim.x * blockDim.x;
     for (int base = 0; base < n_pad; base += blockDim.x) {
         const int u = base + threadIdx.x;
-        const bool valid = u < n_groups;
-        float s = 0.0f;
-        if (valid) {
-            u32 packed[4];
-#pragma unroll
-            for (int e = 0; e < 8; e += 2) {
-                const u16 h0 = f2h(vals[8 * u + e]), h1 = f2h(vals[8 * u + e + 1]);
-                s += h2f(h0);
-                s += h2f(h1);
-                packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
-            }
-            *(uint4*)(out16 + act_index(t, n0 + 8 * u)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        }
-        s += shfl_xor(s, 1);
-        s += shfl_xor(s, 2);
-        if (valid && (u & 3) == 0 && outxs != nullptr) {
-            const u16 hi = f2h(s);
-            const u16 lo = f2h(s - h2f(hi));
-            outxs[xs_index(t, (n0 >> 5) + (u >> 2))] = hi;
-            outxs[xs_index(t, (n0 >> 5) + (u >> 2)) + 2] = lo;
-        }
+        act_group(vals + 8 * min(u, n_groups - 1), u < n_groups, n0 + 8 * u, t, out16, outxs);
+    }
+}
+
+// The same for 32 columns n0 .. n0+31 (n0 % 32 == 0) of rows t0 .. t0+n_rows-1: vals[r][32] (smem).
+__device__ void prep_cols32_rows(const float* vals, int n0, int t0, int n_rows, u16* __restrict__ out16,
+                                 u16* __restrict__ outxs) {
+    const int n_groups = 4 * n_rows;
+    const int n_pad = (n_groups + blockDim.x - 1) / blockDim.x * blockDim.x;
+    for (int base = 0; base < n_pad; base += blockDim.x) {
+        const int u = min(base + (int)threadIdx.x, n_groups - 1);
+        act_group(vals + 8 * u, base + (int)threadIdx.x < n_groups, n0 + 8 * (u & 3), t0 + (u >> 2), out16, outxs);
     }
 }
 
@@ -93,138 +115,84 @@ __device__ void prep_cols(const float* vals, int n0, int count, int t, u16* __re
 // ---------------------------------------------------------------------------------------------
 // prep_rows: row t of the output comes from x[(row0 + t) * ld_x]. norm = 1: RMSNorm with weight w
 // (w may be null), 0: values as they are, into row t of the activation buffer out16 / outxs.
-// grid (rows, ceil(K / cols)): each block writes `cols` columns; with norm, each computes the row's
-// sum of squares itself (the same fixed order in every block, so the split never changes a bit).
-// Two builds of one computation: prep_rows (cols = 256, PREP_COLS) requests its own columns before
-// the sum of squares, so that their loads overlap the reduction's (what a decode step's few rows
-// need); prep_rows_wide (cols a multiple of 256 up to PREP_MAX_COLS, for wide batches: see
-// kernels/fused_gpu.py prep_block_cols) keeps its columns from the sum-of-squares pass instead,
-// because every block reads the whole row and its accumulator (60 KB at the 27B's 5120 columns)
-// and 23 rows x 20 blocks of 256 columns made that 28 MB of L2 reads a launch.
+// grid (rows, ceil(K / cols)), 256 threads: each block writes `cols` columns (a multiple of 256,
+// at most PREP_MAX_COLS; kernels/fused_gpu.py prep_block_cols).
 // acc (may be null): the residual's pending fixed-point sum (mm_tc MODE_ADD), same layout as x:
 // every value read is x + fixed_to_float(acc). The block then writes its columns of that sum to
-// x_out (the residual's other buffer: other blocks of this launch still read x and acc whole) and
+// x_out (the residual's other buffer: other blocks of this launch may still read x and acc) and
 // zeroes its columns of acc_zero (the accumulator the next ADD adds into), either may be null.
+//
+// The row's sum of squares has one order whatever the split (so a row's bits never depend on the
+// width it is decoded at): the row is cut into 256-column chunks; chunk c's sum is block_sum's
+// order over columns 256c + j (thread j: warp xor-trees, then the 8 warps in order; 0 past K), and
+// the row's is the chunks' in order. Two kernels compute it:
+//   prep_rows          every block reads its whole row (and its accumulator) for all the chunks
+//                      (any device; 60 KB per block at the 27B's 5120 columns);
+//   prep_rows_cly<N>   the N column blocks of a row form a thread-block cluster (sm_90): each sums
+//                      only its own chunks and reads the others' chunk sums from their shared
+//                      memory, so no block reads more than its own columns (a decode step's preps
+//                      were ~0.4 ms of the 27B's 6.7 ms graph, mostly those whole-row reads).
 #define PREP_MAX_COLS 1024
+#define PREP_CPB (PREP_MAX_COLS / PREP_COLS)      // chunks a block holds at most
 __device__ __forceinline__ float fold_fixed(float x, const long long* a, int i) {
     return a != nullptr ? x + fixed_to_float(a[i]) : x;
 }
 
-// The sum of squares of row xr (+ ar) over K columns, to every thread (one fixed order). KEEP:
-// also store columns c0 .. c0 + n_own of the folded row into own[] (visible after the call).
-template <bool KEEP>
+// Per chunk held (v[u]: this thread's value of chunk u, 0 past K): the warps' partial sums of
+// squares into red[8 u + warp] (lane 0), then, after a barrier, chunk u's sum in block_sum's order.
+// Every thread of the 256 must call both (a block barrier between them).
+template <int NU>
+__device__ __forceinline__ void chunk_warp_sums(const float (&v)[NU], int n_u, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+        float s = v[u] * v[u];
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) s += shfl_xor(s, m);
+        if (lane == 0 && u < n_u) red[8 * u + warp] = s;
+    }
+}
+__device__ __forceinline__ float chunk_sum(const float* red, int u) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < FUSED_THREADS / 32; ++w) s += red[8 * u + w];
+    return s;
+}
+
+// The whole row's sum of squares (the chunked order) to every thread; stores this block's own
+// columns c0 .. c0 + n_own (x + acc) into own[] (visible after the call). red: 8 * PREP_ROUND floats.
+#define PREP_ROUND 8                             // chunks whose loads are in flight together
 __device__ __forceinline__ float row_sum_squares(const float* xr, const long long* ar, int K, float* red,
                                                  float* own, int c0, int n_own) {
+    const int n_chunks = (K + PREP_COLS - 1) / PREP_COLS;
     float ss = 0.0f;
-    if ((K & 3) == 0 && (((size_t)xr) & 15) == 0 && (((size_t)ar) & 15) == 0) {
-        // 16-byte loads, eight per thread in flight (a 5120-wide row in one round trip instead of
-        // five), the accumulator's alongside.
-        const float4* x4 = (const float4*)xr;
-        const longlong2* a2 = (const longlong2*)ar;
-        const int n4 = K >> 2;
-        for (int base = 0; base < n4; base += 8 * blockDim.x) {
-            float4 q[8];
+    for (int cb = 0; cb < n_chunks; cb += PREP_ROUND) {
+        float v[PREP_ROUND];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int i = base + u * blockDim.x + threadIdx.x;
-                q[u] = i < n4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-            if (ar != nullptr) {
-                longlong2 a[8][2];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int i = base + u * blockDim.x + threadIdx.x;
-                    a[u][0] = i < n4 ? a2[2 * i] : make_longlong2(0, 0);
-                    a[u][1] = i < n4 ? a2[2 * i + 1] : make_longlong2(0, 0);
-                }
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    q[u].x += fixed_to_float(a[u][0].x);
-                    q[u].y += fixed_to_float(a[u][0].y);
-                    q[u].z += fixed_to_float(a[u][1].x);
-                    q[u].w += fixed_to_float(a[u][1].y);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                ss += (q[u].x * q[u].x + q[u].y * q[u].y) + (q[u].z * q[u].z + q[u].w * q[u].w);
-                if (KEEP) {
-                    const int j = 4 * (base + u * (int)blockDim.x + (int)threadIdx.x) - c0;
-                    if (j >= 0 && j < n_own) *(float4*)(own + j) = q[u];   // c0, n_own: multiples of 4 here
-                }
-            }
+        for (int u = 0; u < PREP_ROUND; ++u) {
+            const int i = (cb + u) * PREP_COLS + (int)threadIdx.x;
+            v[u] = i < K ? fold_fixed(xr[i], ar, i) : 0.0f;
+            if (i >= c0 && i < c0 + n_own) own[i - c0] = v[u];
         }
-    } else {
-#pragma unroll 8
-        for (int i = threadIdx.x; i < K; i += blockDim.x) {
-            const float f = fold_fixed(xr[i], ar, i);
-            ss += f * f;
-            if (KEEP && i >= c0 && i < c0 + n_own) own[i - c0] = f;
-        }
+        const int n_u = min(PREP_ROUND, n_chunks - cb);
+        chunk_warp_sums<PREP_ROUND>(v, n_u, red);
+        __syncthreads();
+        for (int u = 0; u < n_u; ++u) ss += chunk_sum(red, u);
+        __syncthreads();                                      // red is refilled next round
     }
-    return block_sum(ss, red);                   // (its barriers also publish own[])
+    return ss;
 }
 
-extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(
-    const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
-    u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc, float* __restrict__ x_out,
-    long long* __restrict__ acc_zero, int cols) { TL_SCOPE;
-    __shared__ float vals[PREP_COLS];
-    __shared__ float red[33];
-    trigger_dependents();   // the next launch may start (it waits for us before reading)
-    const int t = blockIdx.x, n0 = blockIdx.y * PREP_COLS;
-    const int count = min(PREP_COLS, K - n0);
-    const size_t r0 = (size_t)(row0 + t) * ld_x;
-    const float* xr = x + r0;
-    const long long* ar = acc != nullptr ? acc + r0 : nullptr;
-    const float wv = ((int)threadIdx.x < count && norm && w != nullptr) ? w[n0 + threadIdx.x] : 1.0f;  // before the wait
-    grid_dependency_wait();
-    // This block's own columns are requested first, so that their loads overlap the reduction's.
-    float v = 0.0f;
-    if ((int)threadIdx.x < count) v = fold_fixed(xr[n0 + threadIdx.x], ar, n0 + threadIdx.x);
-    float inv = 1.0f;
-    if (norm) {
-        const float ss = row_sum_squares<false>(xr, ar, K, red, nullptr, 0, 0);
-        inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
-    }
-    if ((int)threadIdx.x < count) {
-        vals[threadIdx.x] = norm ? v * inv * wv : v;
-        if (x_out != nullptr) x_out[r0 + n0 + threadIdx.x] = v;
-        if (acc_zero != nullptr) acc_zero[r0 + n0 + threadIdx.x] = 0;
-    }
-    __syncthreads();
-    prep_cols(vals, n0, count, t, out16, outxs);
-}
-
-extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows_wide(
-    const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, int norm,
-    u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc, float* __restrict__ x_out,
-    long long* __restrict__ acc_zero, int cols) { TL_SCOPE;
-    constexpr int CHUNKS = PREP_MAX_COLS / FUSED_THREADS;
-    __shared__ __align__(16) float own[PREP_MAX_COLS];   // this block's columns: x + acc, then the outputs
-    __shared__ float red[33];
-    trigger_dependents();   // the next launch may start (it waits for us before reading)
-    const int t = blockIdx.x, c0 = blockIdx.y * cols, n_own = min(cols, K - c0);
-    const size_t r0 = (size_t)(row0 + t) * ld_x;
-    const float* xr = x + r0;
-    const long long* ar = acc != nullptr ? acc + r0 : nullptr;
-    float wv[CHUNKS];                            // the weights of this thread's columns: before the wait
+// Normalise the block's own[] columns, write x_out / acc_zero, and turn them into act16.
+__device__ __forceinline__ void prep_finish(float* own, int n_own, int c0, int t, size_t r0, int norm, float inv,
+                                            const float (&wv)[PREP_CPB], float* __restrict__ x_out,
+                                            long long* __restrict__ acc_zero, u16* __restrict__ out16,
+                                            u16* __restrict__ outxs) {
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-        const int j = k * FUSED_THREADS + (int)threadIdx.x;
-        wv[k] = (norm && w != nullptr && j < n_own) ? w[c0 + j] : 1.0f;
-    }
-    grid_dependency_wait();
-    float inv = 1.0f;
-    if (norm) {
-        const float ss = row_sum_squares<true>(xr, ar, K, red, own, c0, n_own);
-        inv = (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
-    }
-#pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
+    for (int k = 0; k < PREP_CPB; ++k) {
         const int j = k * FUSED_THREADS + (int)threadIdx.x;
         if (j < n_own) {                         // a thread reads and rewrites only its own columns
-            const float v = norm ? own[j] : fold_fixed(xr[c0 + j], ar, c0 + j);
+            const float v = own[j];
             own[j] = norm ? v * inv * wv[k] : v;
             if (x_out != nullptr) x_out[r0 + c0 + j] = v;
             if (acc_zero != nullptr) acc_zero[r0 + c0 + j] = 0;
@@ -234,6 +202,98 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows_wide(
     prep_cols(own, c0, n_own, t, out16, outxs);
 }
 
+__device__ __forceinline__ float rms_inv(float ss, int K, float eps) {
+    return (float)(1.0 / sqrt((double)ss / (double)K + (double)eps));
+}
+
+#define PREP_ARGS const float* __restrict__ x, int ld_x, int row0, const float* __restrict__ w, float eps, int K, \
+    int norm, u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc,               \
+    float* __restrict__ x_out, long long* __restrict__ acc_zero, int cols
+
+extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(PREP_ARGS) { TL_SCOPE;
+    __shared__ __align__(16) float own[PREP_MAX_COLS];   // this block's columns: x + acc, then the outputs
+    __shared__ float red[8 * PREP_ROUND];
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
+    const int t = blockIdx.x, c0 = blockIdx.y * cols, n_own = min(cols, K - c0);
+    const size_t r0 = (size_t)(row0 + t) * ld_x;
+    const float* xr = x + r0;
+    const long long* ar = acc != nullptr ? acc + r0 : nullptr;
+    float wv[PREP_CPB];                          // the weights of this thread's columns: before the wait
+#pragma unroll
+    for (int k = 0; k < PREP_CPB; ++k) {
+        const int j = k * FUSED_THREADS + (int)threadIdx.x;
+        wv[k] = (norm && w != nullptr && j < n_own) ? w[c0 + j] : 1.0f;
+    }
+    grid_dependency_wait();
+    float inv = 1.0f;
+    if (norm) {
+        inv = rms_inv(row_sum_squares(xr, ar, K, red, own, c0, n_own), K, eps);
+    } else {
+        for (int j = threadIdx.x; j < n_own; j += FUSED_THREADS) own[j] = fold_fixed(xr[c0 + j], ar, c0 + j);
+        __syncthreads();
+    }
+    prep_finish(own, n_own, c0, t, r0, norm, inv, wv, x_out, acc_zero, out16, outxs);
+}
+
+#if defined(TC_HAVE_CLUSTERS)
+// prep_rows with norm as a cluster of the column blocks of a row (grid (rows, N), cluster (1, N, 1),
+// cols * N >= K, ceil(K / 256) <= 32 chunks). Dynamic shared memory: PREP_SMEM_CLUSTER bytes.
+// Barrier phases: 1 publishes every block's chunk sums; 2 says a block has read the others' (its
+// shared memory must outlive those reads, so it waits for phase 2 before it returns).
+#define PREP_SMEM_CLUSTER ((PREP_MAX_COLS + 8 * PREP_CPB + PREP_CPB) * 4)
+__device__ __forceinline__ void prep_rows_cluster(PREP_ARGS) {
+    DYN_SMEM(float, psm);
+    float* own = psm;                            // [PREP_MAX_COLS]
+    float* red = own + PREP_MAX_COLS;            // [8 * PREP_CPB]
+    float* csum = red + 8 * PREP_CPB;            // [PREP_CPB] this block's chunk sums, read by the cluster
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
+    const int t = blockIdx.x, rank = (int)cluster_rank(), c0 = rank * cols, n_own = max(0, min(cols, K - c0));
+    const int cpb = cols / PREP_COLS, lane = threadIdx.x & 31;
+    const size_t r0 = (size_t)(row0 + t) * ld_x;
+    const float* xr = x + r0;
+    const long long* ar = acc != nullptr ? acc + r0 : nullptr;
+    float wv[PREP_CPB];
+#pragma unroll
+    for (int k = 0; k < PREP_CPB; ++k) {
+        const int j = k * FUSED_THREADS + (int)threadIdx.x;
+        wv[k] = (w != nullptr && j < n_own) ? w[c0 + j] : 1.0f;
+    }
+    grid_dependency_wait();
+    float v[PREP_CPB];
+#pragma unroll
+    for (int k = 0; k < PREP_CPB; ++k) {         // this block's columns only, all loads in flight
+        const int j = k * FUSED_THREADS + (int)threadIdx.x;
+        v[k] = j < n_own ? fold_fixed(xr[c0 + j], ar, c0 + j) : 0.0f;
+        if (j < n_own) own[j] = v[k];
+    }
+    const int n_chunks = (K + PREP_COLS - 1) / PREP_COLS;
+    chunk_warp_sums<PREP_CPB>(v, cpb, red);
+    __syncthreads();
+    if ((int)threadIdx.x < cpb) csum[threadIdx.x] = chunk_sum(red, threadIdx.x);
+    cluster_arrive();                            // phase 1 (release): csum
+    cluster_wait();
+    // Every warp gathers the row's chunk sums (lane c: chunk c, from the block that holds it) and
+    // adds them in chunk order by broadcasts: one remote load a lane, no block barrier after.
+    const u32 mine = lane < n_chunks ? __float_as_uint(cluster_ld_f32(csum + lane % cpb, (unsigned)(lane / cpb))) : 0u;
+    cluster_arrive();                            // phase 2: this thread's remote reads are done
+    float ss = 0.0f;
+    for (int c = 0; c < n_chunks; ++c) ss += __uint_as_float(shfl(mine, c));
+    prep_finish(own, n_own, c0, t, r0, 1, rms_inv(ss, K, eps), wv, x_out, acc_zero, out16, outxs);
+    cluster_wait();
+}
+#define PREP_CLUSTER_KERNEL(N)                                                                                   \
+    extern "C" __global__ void __cluster_dims__(1, N, 1) __launch_bounds__(FUSED_THREADS) prep_rows_cly##N(PREP_ARGS) { \
+        TL_SCOPE;                                                                                                \
+        prep_rows_cluster(x, ld_x, row0, w, eps, K, norm, out16, outxs, acc, x_out, acc_zero, cols);            \
+    }
+PREP_CLUSTER_KERNEL(2)
+PREP_CLUSTER_KERNEL(3)
+PREP_CLUSTER_KERNEL(4)
+PREP_CLUSTER_KERNEL(5)
+PREP_CLUSTER_KERNEL(6)
+PREP_CLUSTER_KERNEL(7)
+PREP_CLUSTER_KERNEL(8)
+#endif
 // ---------------------------------------------------------------------------------------------
 // gdn_conv. qkv[T][C] (row stride ldq) = the raw projection (q heads | k heads | v heads) as the
 // int64 fixed-point sums its matmul added (mm_tc MODE_ADD: no exchange between the blocks that
@@ -390,17 +450,36 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 #define GDN_CHUNK 32
 #define GDN_THREADS (GDN_COLS * GDN_PARTS)
 
-template <int RPT>
+// The gated norm fused in (NB >= 1, gdn_recur_norm_*): the output rows never leave the block. With
+// dv = 32 NB, the NB column blocks of a head form a thread-block cluster (NB > 1) and each reads the
+// others' outputs from their shared memory for the head's sum of squares, in gdn_out_prep's order
+// (lane i: columns i, i + 32, ...; then the warp's xor tree), so the act16 rows carry the same bits
+// as the unfused pair's; then each block writes its 32 columns of silu(z) * RMSNorm(o; w) as act16
+// (z: the gate projection's int64 sums, cleared as read). Saves the gdn_out_prep launch per layer.
+// NB = 0: the plain recurrence, outputs to `out`.
+struct GdnNorm {
+    long long* zb;               // z sums [T][ldz]
+    int ldz;
+    const float* w;              // ssm_norm [dv]
+    float eps;
+    u16* out16;
+    u16* outxs;
+};
+
+template <int RPT, int NB>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
                                                const int* __restrict__ n_dev, float* __restrict__ out,
-                                               int nk, int nv, int dk, int dv, float scale, int chunk) {
+                                               int nk, int nv, int dk, int dv, float scale, int chunk,
+                                               const GdnNorm nrm) {
     constexpr int DKP = GDN_PARTS * RPT;         // staged row length (zero past dk)
     DYN_SMEM(float, rsm);                        // [chunk][DKP] q, [chunk][DKP] k, [chunk][32] v, decay, beta
-    float* sq = rsm;
+    float* sq = rsm;                             // (fused: then [T][32] outputs, [T][32] normed values)
     float* sk = sq + chunk * DKP;
     float* sv = sk + chunk * DKP;
     float* sdecay = sv + chunk * GDN_COLS;
     float* sbeta = sdecay + chunk;
+    float* so = sbeta + chunk;
+    float* sy = so + T * GDN_COLS;
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
     const float* rec = (const float*)tbl[4 * z + 0];
@@ -457,7 +536,8 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
         for (int tt = 0; tt < n; ++tt) {
             const float o = dn_token<RPT, GDN_PARTS>(s, sk + tt * DKP, sq + tt * DKP, sv[tt * GDN_COLS + lcol],
                                                      sdecay[tt], sbeta[tt], part);
-            if (out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
+            if (NB == 0 && out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
+            if (NB > 0 && part == 0) so[(c0 + tt) * GDN_COLS + lcol] = o * scale;    // (one chunk: T <= chunk)
         }
     }
     if (S_out != nullptr && col_ok) {
@@ -467,16 +547,69 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
             if (i < dk) S_out[(size_t)i * dv + col] = s[ii];
         }
     }
+    if constexpr (NB > 0) {
+        const int lane = threadIdx.x & 31, rank = NB > 1 ? (int)cluster_rank() : 0;
+        const int n0 = h * dv + GDN_COLS * rank;        // this block's columns of the act16 row
+        const float wv = nrm.w[GDN_COLS * rank + lane];
+        __syncthreads();                                // so[] complete in this block
+        if constexpr (NB > 1) {
+            cluster_arrive();                           // phase 1 (release): every block's so[]
+            cluster_wait();
+        }
+        for (int i = threadIdx.x; i < T * GDN_COLS; i += GDN_THREADS) {    // (token, lane): one warp a token
+            const int tt = i / GDN_COLS;
+            float ss = 0.0f;
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const float v = NB > 1 ? cluster_ld_f32(so + tt * GDN_COLS + lane, (unsigned)b) : so[tt * GDN_COLS + lane];
+                ss += v * v;
+            }
+            ss = warp_sum(ss);
+            const float inv = (float)(1.0 / sqrt((double)ss / (double)dv + (double)nrm.eps));
+            long long* zp = nrm.zb + (size_t)tt * nrm.ldz + n0 + lane;
+            const float zv = fixed_to_float(*zp);
+            *zp = 0;                                    // read: cleared for the next layer's matmul
+            sy[i] = silu_f(zv) * (so[i] * inv * wv);
+        }
+        if constexpr (NB > 1) cluster_arrive();        // phase 2: this thread's remote reads are done
+        __syncthreads();
+        prep_cols32_rows(sy, n0, 0, T, nrm.out16, nrm.outxs);
+        if constexpr (NB > 1) cluster_wait();          // no block leaves while another may read its so[]
+    }
 }
 
 #define GDN_ARGS const unsigned long long* __restrict__ tbl, int T, const int* __restrict__ n_dev, \
                  float* __restrict__ out, int nk, int nv, int dk, int dv, float scale, int chunk
 #define GDN_CALL tbl, T, n_dev, out, nk, nv, dk, dv, scale, chunk
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r1(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<1>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r4(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<4>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r8(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<8>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r16(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<16>(GDN_CALL); }
-extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r32(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<32>(GDN_CALL); }
+#define GDN_NORM_ARGS , long long* __restrict__ zb, int ldz, const float* __restrict__ wn, float eps, \
+                 u16* __restrict__ out16, u16* __restrict__ outxs
+#define GDN_RECUR(RPT)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r##RPT(GDN_ARGS) {                \
+        TL_SCOPE;                                                                                            \
+        gdn_recur_impl<RPT, 0>(GDN_CALL, GdnNorm{});                                                         \
+    }
+#define GDN_RECUR_NORM(RPT, NAME, NB, ATTR)                                                                   \
+    extern "C" __global__ void ATTR __launch_bounds__(GDN_THREADS, 1) NAME(GDN_ARGS GDN_NORM_ARGS) {  \
+        TL_SCOPE;                                                                                            \
+        gdn_recur_impl<RPT, NB>(GDN_CALL, GdnNorm{zb, ldz, wn, eps, out16, outxs});                          \
+    }
+GDN_RECUR(1)
+GDN_RECUR(4)
+GDN_RECUR(8)
+GDN_RECUR(16)
+GDN_RECUR(32)
+// Fused with the gated norm: one block a head (d_v = 32) for every d_k, or a cluster of the head's
+// d_v / 32 blocks at d_k = d_v (the shapes qwen35 models have; others run the unfused pair).
+GDN_RECUR_NORM(1, gdn_recur_norm_r1, 1, )
+GDN_RECUR_NORM(4, gdn_recur_norm_r4, 1, )
+GDN_RECUR_NORM(8, gdn_recur_norm_r8, 1, )
+GDN_RECUR_NORM(16, gdn_recur_norm_r16, 1, )
+GDN_RECUR_NORM(32, gdn_recur_norm_r32, 1, )
+#if defined(TC_HAVE_CLUSTERS)
+GDN_RECUR_NORM(8, gdn_recur_norm_r8_clx2, 2, __cluster_dims__(2, 1, 1))
+GDN_RECUR_NORM(16, gdn_recur_norm_r16_clx4, 4, __cluster_dims__(4, 1, 1))
+GDN_RECUR_NORM(32, gdn_recur_norm_r32_clx8, 8, __cluster_dims__(8, 1, 1))
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // gdn_commit_conv: the conv state after n = params[1] tokens of a verified block is rows n..n+Kc-2

@@ -45,6 +45,7 @@ GDN_CHUNK = 32                      # fused.cu GDN_CHUNK: tokens staged at once 
 GDN_CONV_TOKENS = 4                 # gdn_conv: tokens a block computes in a verify step
 ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial (fused.cu ATT_MAX_SPLITS)
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
+PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
 
 
@@ -66,6 +67,23 @@ def prep_block_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int:
     chunks = -(-K // PREP_COLS)
     per = -(-chunks // col_blocks) if col_blocks else max(1, -(-(n_rows * chunks) // PREP_BLOCKS))
     return min(per, chunks, PREP_MAX_COLS // PREP_COLS) * PREP_COLS
+
+
+PREP_CLUSTER_MAX = 8                # fused.cu prep_rows_cly<N>: column blocks a row's cluster holds at most
+PREP_CLUSTER_MIN_CHUNKS = 1         # 256-column chunks a cluster block holds at least
+
+
+def prep_cluster_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int | None:
+    """Columns per block of the cluster prep (fused.cu prep_rows_cly<N>: the column blocks of a row
+    share their chunk sums instead of each reading the whole row): prep_block_cols' split, widened
+    until a row's blocks fit one cluster; None when a row is one block (nothing to share) or has
+    more than 32 chunks."""
+    chunks = -(-K // PREP_COLS)
+    cpb = max(prep_block_cols(K, n_rows, col_blocks) // PREP_COLS, -(-chunks // PREP_CLUSTER_MAX),
+              PREP_CLUSTER_MIN_CHUNKS)
+    if chunks > 32 or cpb > PREP_MAX_COLS // PREP_COLS or -(-chunks // cpb) < 2:
+        return None
+    return cpb * PREP_COLS
 
 
 def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
@@ -201,6 +219,8 @@ class FusedGpu:
         self.dev = dev
         self.xp = dev.xp
         self.n_sm = int(getattr(dev, "multiprocessors", 132))
+        # thread-block clusters (sm_90; the emulator runs them too): fused.cu's *_cly<N> kernels
+        self.clusters = bool(getattr(dev, "supports_clusters", False))
 
     def _k(self, source: str, name: str, defines: tuple[str, ...] = ()):
         return self.dev._kernel(source, name, defines)
@@ -357,20 +377,31 @@ class FusedGpu:
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,
-                     n_rows: int, acc=None, x_out=None, acc_zero=None, col_blocks: int | None = None) -> Op:
+                     n_rows: int, acc=None, x_out=None, acc_zero=None, col_blocks: int | None = None,
+                     cluster: bool | None = None) -> Op:
         """Rows row0.. of x (RMSNorm'd when norm) into act. acc: the residual's pending fixed-point
         sum (int64, x's layout; MODE_ADD launches add into it), folded into every value read; the
         folded rows then go to x_out and acc_zero's rows are cleared (either may be None).
-        col_blocks: blocks per row (default: prep_block_cols' choice by the number of rows); any
-        split gives the same bits."""
+        col_blocks: blocks per row (default: prep_block_cols' choice by the number of rows).
+        cluster: a norm's column blocks as one thread-block cluster per row (prep_cluster_cols;
+        default: where the device has clusters). Every split and either kernel give the same bits."""
         for a, dt in ((acc, "int64"), (acc_zero, "int64"), (x_out, "float32")):
             if a is not None and str(a.dtype) != dt:
                 raise ValueError(f"{label}: {dt} buffer expected, got {a.dtype}")
-        cols = prep_block_cols(K, n_rows, col_blocks)
-        kern = self._k("fused.cu", "prep_rows" if cols == PREP_COLS else "prep_rows_wide")
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
-                act.x16, act.xs, acc, x_out, acc_zero, np.int32(cols))
-        return Op(label, kern, (n_rows, -(-K // cols)), (FUSED_THREADS,), args)
+                act.x16, act.xs, acc, x_out, acc_zero)
+        cl_cols = prep_cluster_cols(K, n_rows, col_blocks) if norm else None
+        if cluster is None:
+            cluster = cl_cols is not None and self.clusters
+        if cluster:
+            if cl_cols is None or not self.clusters:
+                raise ValueError(f"{label}: no cluster prep for {K} columns{'' if self.clusters else ' on this device'}")
+            n_cb = -(-K // cl_cols)
+            return Op(label, self._k("fused.cu", f"prep_rows_cly{n_cb}"), (n_rows, n_cb), (FUSED_THREADS,),
+                      args + (np.int32(cl_cols),), PREP_SMEM_CLUSTER)
+        cols = prep_block_cols(K, n_rows, col_blocks)
+        return Op(label, self._k("fused.cu", "prep_rows"), (n_rows, -(-K // cols)), (FUSED_THREADS,),
+                  args + (np.int32(cols),))
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
         """out[0:T] = rows ids_dev[0:T] of the raw GGUF embedding (kernels.cuda_backend.GpuWeight)."""
@@ -411,18 +442,45 @@ class FusedGpu:
                 state_save, qkv_save, qkv_clear, ab_clear, np.int32(tpb))
         return Op(label, kern, (2 * nk + nv + 1, -(-T // tpb)), (FUSED_THREADS,), args, smem)
 
+    def gdn_recur_norm_kernel(self, dk: int, dv: int) -> str | None:
+        """The recurrence kernel with the gated norm fused in (fused.cu gdn_recur_norm_*) for these
+        head sizes, or None where there is none (the step then runs gdn_recur + gdn_out_prep): one
+        block a head at d_v = 32, a cluster of the head's d_v / 32 blocks at d_k = d_v = 64, 128, 256."""
+        rpt = next((r for r in GDN_RPT if GDN_PARTS * r >= dk), None)
+        if rpt is None or dv % GDN_COLS:
+            return None
+        nb = dv // GDN_COLS
+        if nb == 1:
+            return f"gdn_recur_norm_r{rpt}"
+        if self.clusters and (rpt, nb) in ((8, 2), (16, 4), (32, 8)):
+            return f"gdn_recur_norm_r{rpt}_clx{nb}"
+        return None
+
     def op_gdn_recur(self, label: str, tbl, n_slots: int, T: int, n_dev, out, nk: int, nv: int, dk: int,
-                     dv: int) -> Op:
-        """T tokens (or *n_dev of them, up to MAX_T, when n_dev is given: commit)."""
+                     dv: int, norm: tuple | None = None) -> Op:
+        """T tokens (or *n_dev of them, up to MAX_T, when n_dev is given: commit). norm = (z, ldz, w,
+        eps, act): the gated norm fused in (gdn_recur_norm_kernel; z: the gate projection's int64
+        sums, cleared as read), writing act instead of out."""
         rpt = next((r for r in GDN_RPT if GDN_PARTS * r >= dk), None)
         if rpt is None:
             raise ValueError(f"d_k = {dk} exceeds the kernel's {GDN_PARTS * GDN_RPT[-1]}")
-        kern = self._k("fused.cu", f"gdn_recur_r{rpt}")
         chunk = GDN_CHUNK if n_dev is not None else max(1, min(T, GDN_CHUNK))
         smem = 4 * chunk * (2 * GDN_PARTS * rpt + GDN_COLS + 2)     # staged q, k, v, decay, beta
-        self._smem(kern, smem)
         args = (tbl, np.int32(T), n_dev, out, np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv),
                 np.float32(1.0 / math.sqrt(dk)), np.int32(chunk))
+        if norm is None:
+            kern = self._k("fused.cu", f"gdn_recur_r{rpt}")
+        else:
+            name = self.gdn_recur_norm_kernel(dk, dv)
+            z, ldz, w, eps, act = norm
+            if name is None or n_dev is not None or T > GDN_CHUNK:
+                raise ValueError(f"{label}: no fused gated norm for d_k = {dk}, d_v = {dv}, T = {T}")
+            if str(z.dtype) != "int64":
+                raise ValueError(f"{label}: z is an int64 fixed-point sum (got {z.dtype})")
+            kern = self._k("fused.cu", name)
+            smem += 4 * 2 * T * GDN_COLS                              # the block's outputs, then its act16 values
+            args += (z, np.int32(ldz), w, np.float32(eps), act.x16, act.xs)
+        self._smem(kern, smem)
         return Op(label, kern, (-(-dv // GDN_COLS), nv, n_slots), (GDN_COLS * GDN_PARTS,), args, smem)
 
     def op_gdn_commit_conv(self, label: str, tbl, n_slots: int, params, C: int, kc: int) -> Op:

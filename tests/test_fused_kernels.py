@@ -25,7 +25,7 @@ import pytest
 
 from kernels import fused_ref, ggml_quants
 from kernels.fused_gpu import (ATT_SPLITS, MODE_ADD, MODE_STORE, MODE_SWIGLU, ActBuffer, FusedGpu, MmWorkspace,
-                               prep_block_cols)
+                               prep_block_cols, prep_cluster_cols)
 from tests.emu import emu_unavailable_reason
 from tests.gpu_helpers import NO_GPU
 
@@ -361,39 +361,53 @@ def test_prep_rows_layout_and_norm(dev):
 
 
 def test_prep_rows_column_split_changes_no_bit(dev):
-    """Wide batches run prep_rows with fewer, wider column blocks (each block reads its whole row for
-    the sum of squares): every split, from one block a row to one per 256 columns, must give the same
-    act16 rows, block sums, folded x_out and cleared accumulator, so that a row's bits never depend
-    on the width it was decoded at."""
+    """A row's RMSNorm prep runs with 1 to 20 column blocks (wider ones for wide batches), each
+    block reading its whole row for the sum of squares, or (fused.cu prep_rows_cly<N>, sm_90 and the
+    emulator) as one thread-block cluster of 2-8 blocks that share their chunk sums: every split and
+    both kernels must give the same act16 rows, block sums, folded x_out and cleared accumulator, so
+    that a row's bits never depend on the width it was decoded at. The bug this guards: a sum of
+    squares whose order follows the split (a decode row and its verify twin a rounding apart)."""
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(8)
-    for K, T in ((1024, 1), (1024, 3), (1032, 2), (5120, 2)):
+    for K, T in ((1024, 1), (1024, 3), (1032, 2), (5120, 2), (2304, 1)):
         n_chunks = -(-K // 256)
         x = rng.standard_normal((T, K)).astype(np.float32)
         w = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
         acc = fused_ref.to_fixed(rng.standard_normal((T, K)).astype(np.float32))
         ref = fused_ref.prep_rows_ref(x + fused_ref.fixed_values(acc), w, 1e-6, True)
-        for aligned in (True, False):            # 16-byte rows: the vector sum of squares; else the scalar one
-            results = []
-            for col_blocks in sorted({-(-n_chunks // 4), 2, 3, n_chunks}):     # 1024 to 256 columns a block
+        splits = [(cb, False) for cb in sorted({-(-n_chunks // 4), 2, 3, n_chunks})]      # 1024 to 256 columns
+        if fg.clusters:           # every cluster size this K allows (2..8 blocks of 256-1024 columns)
+            splits += [(cb, True) for cb in range(2, 9) if prep_cluster_cols(K, T, cb) is not None]
+        if name == "emu" and K == 5120:
+            splits = [s for s in splits if s[0] in (5, 7, 20)]        # the emulator's time
+        results = []
+        for aligned in (True, False):            # rows 16-byte aligned or not: the same loads' order
+            for col_blocks, cluster in splits:
                 act = ActBuffer(xp, K)
                 x_out = xp.zeros((T, K), dtype=xp.float32)
                 nxt = xp.full((T, K), 5, dtype=xp.int64)
                 xin = xp.array(x) if aligned else xp.concatenate([xp.zeros(1, xp.float32), xp.array(x).ravel()])[1:]
                 op = fg.op_prep_rows("p", xin.reshape(T, K), K, 0, xp.array(w), 1e-6, K, True, act, T,
-                                     acc=xp.array(acc), x_out=x_out, acc_zero=nxt, col_blocks=col_blocks)
-                assert op.grid[1] == -(-K // prep_block_cols(K, T, col_blocks))
+                                     acc=xp.array(acc), x_out=x_out, acc_zero=nxt, col_blocks=col_blocks,
+                                     cluster=cluster)
+                cols = prep_cluster_cols(K, T, col_blocks) if cluster else prep_block_cols(K, T, col_blocks)
+                assert op.grid[1] == -(-K // cols)
+                assert ("_cly" in op.kernel.symbol if name == "emu" else True) or not cluster
                 op()
                 g16, gxs = act.read_rows(T)
                 results.append((g16.copy(), gxs.copy(), _h(xp, x_out).copy()))
-                assert (_h(xp, nxt) == 0).all(), f"col_blocks={col_blocks}: the next accumulator not cleared"
-            for r in results[1:]:
-                assert all(np.array_equal(a, b) for a, b in zip(r, results[0])), f"K={K} T={T}: the split changed bits"
-            assert np.array_equal(results[0][2], x + fused_ref.fixed_values(acc))
-            assert _rel(fused_ref.act_values(results[0][0], K), ref) <= 1e-3
-    # the default split widens blocks with the rows: 20 a row at T = 1, 5 at T = 23 (5120 columns)
+                assert (_h(xp, nxt) == 0).all(), f"{col_blocks} blocks (cluster {cluster}): the next accumulator not cleared"
+        for r, (col_blocks, cluster) in zip(results[1:], (splits * 2)[1:]):
+            assert all(np.array_equal(a, b) for a, b in zip(r, results[0])), \
+                f"K={K} T={T}: {col_blocks} blocks (cluster {cluster}) changed bits"
+        assert np.array_equal(results[0][2], x + fused_ref.fixed_values(acc))
+        assert _rel(fused_ref.act_values(results[0][0], K), ref) <= 1e-3
+    # the default split widens blocks with the rows: 20 a row at T = 1, 5 at T = 23 (5120 columns);
+    # a cluster holds at most 8 blocks: 7 of 768 columns at T = 1
     assert prep_block_cols(5120, 1) == 256 and prep_block_cols(5120, 23) == 1024 and prep_block_cols(32, 23) == 256
+    assert prep_cluster_cols(5120, 1) == 768 and prep_cluster_cols(5120, 23) == 1024
+    assert prep_cluster_cols(256, 1) is None and prep_cluster_cols(9000, 1) is None
 
 
 def _on_fixed_grid(a):
@@ -626,6 +640,49 @@ def test_deltanet_gated_norm_prep(dev):
     got = fused_ref.act_values(act.read_rows(T)[0], nv * dv)
     assert _rel(got, fused_ref.gdn_out_ref(o, z, w, 1e-6, nv, dv)) <= 1e-3
     assert not _h(xp, z_fx).any()
+
+
+@pytest.mark.parametrize("dk, dv, nk, nv, T", [(32, 32, 2, 4, 5), (64, 64, 1, 2, 3), (128, 128, 1, 2, 2),
+                                              (24, 32, 1, 2, 3)])
+def test_deltanet_recurrence_with_fused_gated_norm(dev, dk, dv, nk, nv, T):
+    """gdn_recur_norm_* (the gated norm fused into the recurrence; at d_v > 32 the head's column
+    blocks a thread-block cluster that shares the outputs) writes the act16 rows, block sums and
+    state the unfused gdn_recur + gdn_out_prep write, bit for bit, in advance and verify mode, and
+    clears z. The bug this guards: a head's sum of squares summed in another order than the
+    unfused path's, or read before the other blocks of its cluster wrote their outputs."""
+    name, d, fg = dev
+    xp = fg.xp
+    kern = fg.gdn_recur_norm_kernel(dk, dv)
+    if kern is None:
+        pytest.skip(f"no fused kernel for d_k = {dk}, d_v = {dv} on {name}")
+    rng = np.random.default_rng(dk + 7 * T)
+    c = _dn_case(rng, T, nk=nk, nv=nv, dk=dk, dv=dv)
+    R = c["C"] + 2 * nv
+    rec = xp.array(fused_ref.gdn_conv_ref(c["qkv"], c["state"], c["conv_w"], c["ab"], c["dt_bias"], c["ssm_a"],
+                                          nk, nv, dk, dv, 1e-6)[0])
+    z = _on_fixed_grid(rng.standard_normal((T, nv * dv)))
+    w = xp.array((1 + 0.1 * rng.standard_normal(dv)).astype(np.float32))
+    for verify in (False, True):
+        outs = []
+        for fused in (False, True):
+            S, bak = xp.array(c["S"]), xp.zeros((nv, dk, dv), dtype=xp.float32)
+            tbl = xp.array(np.array([fg.ptr(rec), fg.ptr(S), 0 if verify else fg.ptr(S),
+                                     fg.ptr(bak) if verify else 0], dtype=np.uint64))
+            act, z_fx = ActBuffer(xp, nv * dv), _fx(xp, z)
+            if fused:
+                op = fg.op_gdn_recur("rn", tbl, 1, T, None, None, nk, nv, dk, dv,
+                                     norm=(z_fx, nv * dv, w, 1e-6, act))
+                assert op.grid[0] == dv // 32 and (name != "emu" or op.kernel.symbol == kern)
+                op()
+            else:
+                o = xp.zeros((T, nv * dv), dtype=xp.float32)
+                fg.op_gdn_recur("r", tbl, 1, T, None, o, nk, nv, dk, dv)()
+                fg.op_gdn_out_prep("g", o, z_fx, nv * dv, w, 1e-6, nv, dv, act, T)()
+            assert not _h(xp, z_fx).any(), f"fused={fused}: z not cleared"
+            g16, gxs = act.read_rows(T)
+            outs.append((g16.copy(), gxs.copy(), _h(xp, S).copy(), _h(xp, bak).copy()))
+        for a, b, what in zip(outs[0], outs[1], ("act16", "block sums", "state", "backup")):
+            assert np.array_equal(a, b), f"verify={verify}: the fused kernel's {what} differ from the unfused pair's"
 
 
 @pytest.mark.parametrize("n_past", (0, 5, 300, 1100))
