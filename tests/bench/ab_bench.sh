@@ -6,13 +6,14 @@
 # protocol/, router/), e.g.
 #   mkdir -p tests/bench/tmp_ab/main_tree && git archive main kernels daemons protocol router | tar -x -C tests/bench/tmp_ab/main_tree
 # in a folder git ignores, carried to the GPU machine with the run (carry: [".whl", "tests/bench/tmp_ab"]).
+# BENCH_ARGS: more bench options for every run (e.g. "--no-profile --widths 1,23,32": shorter runs).
 set -u
 [ $# -ge 1 ] || { echo "usage: ROUNDS=2 tests/bench/ab_bench.sh OTHER_TREE [OTHER_TREE...]" >&2; exit 2; }
 rounds="${ROUNDS:-2}"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-bench=(python3 -m daemons.cli bench --synthetic qwen35-27b-q4km --device cuda:0 --synthetic-path /tmp/qwen35-27b-q4km.gguf)
+bench=(python3 -m daemons.cli bench --synthetic qwen35-27b-q4km --device cuda:0 --synthetic-path /tmp/qwen35-27b-q4km.gguf ${BENCH_ARGS:-})
 for _ in $(seq "$rounds"); do
     for tree in "$PWD" "$@"; do
         echo "== $tree"

@@ -5,7 +5,9 @@ read stale buffers); only the timing means something: the graph time against a p
 of the same build in the same session is what those launches add to the step's critical path
 (profile_gpu_step.py, launches back to back, says only what each takes alone).
 
-    python3 tests/bench/bench_drop_ops.py KIND[,KIND...] [--synthetic-path /tmp/qwen35-27b-q4km.gguf]
+    python3 tests/bench/bench_drop_ops.py KIND[,KIND...] [--synthetic-path /tmp/qwen35-27b-q4km.gguf] [-- BENCH_ARGS]
+
+(BENCH_ARGS: more `dflashd bench` options, e.g. `--no-profile --widths 1,23`.)
 """
 from __future__ import annotations
 
@@ -47,7 +49,9 @@ def main() -> None:
     import daemons.qwen35_gpu as qwen35_gpu
     seen = drop_from_plans(qwen35_gpu.Qwen35GpuStep, kinds)
     from daemons.cli import main as cli_main
-    sys.argv = ["dflashd", "bench", "--synthetic", "qwen35-27b-q4km", "--device", "cuda:0", "--synthetic-path", path]
+    extra = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
+    sys.argv = ["dflashd", "bench", "--synthetic", "qwen35-27b-q4km", "--device", "cuda:0", "--synthetic-path", path,
+                *extra]
     try:
         cli_main()
     finally:
