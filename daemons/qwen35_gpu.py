@@ -5,8 +5,8 @@
 (kernels/fused_gpu.py TC_TYPES: Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS, F16). A step of T <= 32 tokens is, per
 layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
 
-    DeltaNet   prep(attn_norm) -> mm[qkv | z | alpha | beta] -> gdn_conv -> gdn_recur (with the gated
-               norm fused in, or -> gdn_out_prep where no fused kernel fits the head size) -> mm[ssm_out] += x
+    DeltaNet   prep(attn_norm) -> mm[qkv | z | alpha | beta] -> gdn_conv -> gdn_recur -> gdn_out_prep
+               -> mm[ssm_out] += x
     attention  prep(attn_norm) -> mm[q|gate, k, v] -> attn_qk_rope_kv -> attn_partial
                -> attn_combine_prep -> mm[attn_output] += x
     FFN        prep(post_attention_norm) -> mm[gate, up] with the SwiGLU epilogue -> mm[down] += x
@@ -14,7 +14,7 @@ layer (see kernels/fused.cu and kernels/mma_matmul.cu for each kernel):
 where `+= x` adds into an int64 fixed-point accumulator beside x (no exchange between the blocks
 that share rows) and the next prep folds it into x (`_Residual`: two x buffers, two accumulators);
 the DeltaNet projections (qkv | z | alpha | beta) are fixed-point sums the same way, which gdn_conv
-and the gated norm read as floats; the gated norm clears z as it reads it, gdn_conv the other DeltaNet
+and gdn_out_prep read as floats; gdn_out_prep clears z as it reads it, gdn_conv the other DeltaNet
 layer parity's qkv and alpha | beta (two buffers of each: a verify's conv blocks of tokens share rows).
 
 then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on
@@ -125,16 +125,14 @@ class Qwen35GpuStep:
         self.accs = (xp.zeros((MAX_T, d), dtype=xp.int64), xp.zeros((MAX_T, d), dtype=xp.int64))
         if self.dn_layers:
             # the DeltaNet projections, as the int64 fixed-point sums their matmul adds (no exchange
-            # between blocks), cleared for the next layer's matmul: z by the gated norm as it reads it,
+            # between blocks), cleared for the next layer's matmul: z by gdn_out_prep as it reads it,
             # qkv and ab by DeltaNet layer parity: gdn_conv clears the other parity's (its own rows are
             # read by two of its token blocks; the other's last reader has finished)
             self.qkv_sums = tuple(xp.zeros((MAX_T, self.C), dtype=xp.int64) for _ in range(2))
             self.z = xp.zeros((MAX_T, hp.ssm_inner), dtype=xp.int64)
             self.ab_sums = tuple(xp.zeros((MAX_T, 2 * self.nv), dtype=xp.int64) for _ in range(2))
             self.rec = xp.zeros((MAX_T, self.R), dtype=f32)
-            # the recurrence's outputs, for gdn_out_prep when the gated norm is not fused in
-            self.fused_gdn_norm = self.fg.gdn_recur_norm_kernel(self.dk, self.dv) is not None
-            self.o = None if self.fused_gdn_norm else xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
+            self.o = xp.zeros((MAX_T, hp.ssm_inner), dtype=f32)
             # verify records, per DeltaNet layer
             self.rec_qkv = {il: xp.zeros((self.Kc - 1 + MAX_T, self.C), dtype=f32) for il in self.dn_layers}
             self.rec_in = {il: xp.zeros((MAX_T, self.R), dtype=f32) for il in self.dn_layers}
@@ -288,15 +286,10 @@ class Qwen35GpuStep:
                                           clear=(self.qkv_sums[1 - par][:T], self.ab_sums[1 - par][:T]),
                                           tokens_per_block=GDN_CONV_TOKENS if verify else T))
                 slot = self._slots[("ver", il) if verify else ("adv", il)]
-                if self.fused_gdn_norm:
-                    ops.append(fg.op_gdn_recur(p + "gdn_recur", tbl[slot:], 1, T, None, None, self.nk, self.nv,
-                                               self.dk, self.dv, norm=(self.z, hp.ssm_inner, mx.ssm_norm, eps,
-                                                                       self.act_dn)))
-                else:
-                    ops.append(fg.op_gdn_recur(p + "gdn_recur", tbl[slot:], 1, T, None, self.o, self.nk, self.nv,
-                                               self.dk, self.dv))
-                    ops.append(fg.op_gdn_out_prep(p + "gdn_out_prep", self.o, self.z, hp.ssm_inner, mx.ssm_norm, eps,
-                                                  self.nv, self.dv, self.act_dn, T))
+                ops.append(fg.op_gdn_recur(p + "gdn_recur", tbl[slot:], 1, T, None, self.o, self.nk, self.nv, self.dk,
+                                           self.dv))
+                ops.append(fg.op_gdn_out_prep(p + "gdn_out_prep", self.o, self.z, hp.ssm_inner, mx.ssm_norm, eps,
+                                              self.nv, self.dv, self.act_dn, T))
                 ops.append(fg.op_mm(p + "mm ssm_out " + mx.w_out.type_name, [(mx.w_out, res.add(), 0, d)],
                                     self.act_dn, T, MODE_ADD, ws))
             else:

@@ -10,9 +10,7 @@
 //                      the gates g = a * softplus(alpha + dt_bias) and beta = sigmoid(b)
 //   gdn_recur          DeltaNet: the gated delta rule, token by token (math §3.6), in three modes:
 //                      advance (state in place), verify (state untouched, a backup written) and
-//                      commit (replay n tokens from the backup into the state: exact rollback);
-//                      gdn_recur_norm_*: with gdn_out_prep's work fused in (a head's column blocks
-//                      as one cluster, sm_90)
+//                      commit (replay n tokens from the backup into the state: exact rollback)
 //   gdn_out_prep       DeltaNet: gated RMSNorm of the output -> act16
 //   attn_qk_rope_kv    attention: q/k RMSNorm, partial NeoX RoPE, K/V written into the cache
 //   attn_partial       attention: softmax over a split of the keys (flash-decoding style)
@@ -99,17 +97,6 @@ __device__ void prep_cols(const float* vals, int n0, int count, int t, u16* __re
     }
 }
 
-// The same for 32 columns n0 .. n0+31 (n0 % 32 == 0) of rows t0 .. t0+n_rows-1: vals[r][32] (smem).
-__device__ void prep_cols32_rows(const float* vals, int n0, int t0, int n_rows, u16* __restrict__ out16,
-                                 u16* __restrict__ outxs) {
-    const int n_groups = 4 * n_rows;
-    const int n_pad = (n_groups + blockDim.x - 1) / blockDim.x * blockDim.x;
-    for (int base = 0; base < n_pad; base += blockDim.x) {
-        const int u = min(base + (int)threadIdx.x, n_groups - 1);
-        act_group(vals + 8 * u, base + (int)threadIdx.x < n_groups, n0 + 8 * (u & 3), t0 + (u >> 2), out16, outxs);
-    }
-}
-
 #define PREP_COLS 256       // columns one block of the prep-writing kernels turns into act16
 
 // ---------------------------------------------------------------------------------------------
@@ -126,12 +113,13 @@ __device__ void prep_cols32_rows(const float* vals, int n0, int t0, int n_rows, 
 // width it is decoded at): the row is cut into 256-column chunks; chunk c's sum is block_sum's
 // order over columns 256c + j (thread j: warp xor-trees, then the 8 warps in order; 0 past K), and
 // the row's is the chunks' in order. Two kernels compute it:
-//   prep_rows          every block reads its whole row (and its accumulator) for all the chunks
-//                      (any device; 60 KB per block at the 27B's 5120 columns);
+//   prep_rows          every block stages its whole row (and accumulator) in shared memory and sums
+//                      all the chunks (any device; 60 KB read per block at the 27B's 5120 columns);
 //   prep_rows_cly<N>   the N column blocks of a row form a thread-block cluster (sm_90): each sums
 //                      only its own chunks and reads the others' chunk sums from their shared
-//                      memory, so no block reads more than its own columns (a decode step's preps
-//                      were ~0.4 ms of the 27B's 6.7 ms graph, mostly those whole-row reads).
+//                      memory, so no block reads more than its own columns (H200, 27B decode graph
+//                      0.05-0.09 ms shorter: most of a prep's few microseconds is its chain of
+//                      dependent steps, not those reads).
 #define PREP_MAX_COLS 1024
 #define PREP_CPB (PREP_MAX_COLS / PREP_COLS)      // chunks a block holds at most
 __device__ __forceinline__ float fold_fixed(float x, const long long* a, int i) {
@@ -159,11 +147,43 @@ __device__ __forceinline__ float chunk_sum(const float* red, int u) {
     return s;
 }
 
-// The whole row's sum of squares (the chunked order) to every thread; stores this block's own
-// columns c0 .. c0 + n_own (x + acc) into own[] (visible after the call). red: 8 * PREP_ROUND floats.
-#define PREP_ROUND 8                             // chunks whose loads are in flight together
-__device__ __forceinline__ float row_sum_squares(const float* xr, const long long* ar, int K, float* red,
-                                                 float* own, int c0, int n_own) {
+// The folded row (x + acc, 0 past K) into rowsm[0 .. K), all loads in flight (16-byte ones where
+// the row allows; 8 of each per thread a round: a 5120-wide row in one round trip), then the row's
+// sum of squares in the chunked order from there, to every thread. red: 8 * PREP_ROUND floats.
+#define PREP_ROUND 8                             // chunks summed between two barriers
+__device__ __forceinline__ float row_sum_squares(const float* xr, const long long* ar, int K, float* rowsm,
+                                                 float* red) {
+    if ((K & 3) == 0 && (((size_t)xr) & 15) == 0 && (((size_t)ar) & 15) == 0) {
+        const float4* x4 = (const float4*)xr;
+        const longlong2* a2 = (const longlong2*)ar;
+        const int n4 = K >> 2;
+        for (int base = 0; base < n4; base += 8 * FUSED_THREADS) {
+            float4 q[8];
+            longlong2 a[8][2];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * FUSED_THREADS + (int)threadIdx.x;
+                q[u] = i < n4 ? x4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                a[u][0] = (ar != nullptr && i < n4) ? a2[2 * i] : make_longlong2(0, 0);
+                a[u][1] = (ar != nullptr && i < n4) ? a2[2 * i + 1] : make_longlong2(0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * FUSED_THREADS + (int)threadIdx.x;
+                if (ar != nullptr) {
+                    q[u].x += fixed_to_float(a[u][0].x);
+                    q[u].y += fixed_to_float(a[u][0].y);
+                    q[u].z += fixed_to_float(a[u][1].x);
+                    q[u].w += fixed_to_float(a[u][1].y);
+                }
+                if (i < n4) *(float4*)(rowsm + 4 * i) = q[u];
+            }
+        }
+    } else {
+#pragma unroll 8
+        for (int i = threadIdx.x; i < K; i += FUSED_THREADS) rowsm[i] = fold_fixed(xr[i], ar, i);
+    }
+    __syncthreads();
     const int n_chunks = (K + PREP_COLS - 1) / PREP_COLS;
     float ss = 0.0f;
     for (int cb = 0; cb < n_chunks; cb += PREP_ROUND) {
@@ -171,8 +191,7 @@ __device__ __forceinline__ float row_sum_squares(const float* xr, const long lon
 #pragma unroll
         for (int u = 0; u < PREP_ROUND; ++u) {
             const int i = (cb + u) * PREP_COLS + (int)threadIdx.x;
-            v[u] = i < K ? fold_fixed(xr[i], ar, i) : 0.0f;
-            if (i >= c0 && i < c0 + n_own) own[i - c0] = v[u];
+            v[u] = i < K ? rowsm[i] : 0.0f;
         }
         const int n_u = min(PREP_ROUND, n_chunks - cb);
         chunk_warp_sums<PREP_ROUND>(v, n_u, red);
@@ -210,8 +229,9 @@ __device__ __forceinline__ float rms_inv(float ss, int K, float eps) {
     int norm, u16* __restrict__ out16, u16* __restrict__ outxs, const long long* __restrict__ acc,               \
     float* __restrict__ x_out, long long* __restrict__ acc_zero, int cols
 
+// Dynamic shared memory: 4 * K bytes with norm (the whole folded row), else 4 * cols (fused_gpu.py).
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(PREP_ARGS) { TL_SCOPE;
-    __shared__ __align__(16) float own[PREP_MAX_COLS];   // this block's columns: x + acc, then the outputs
+    DYN_SMEM(float, rowsm);                      // the folded row (norm) or this block's columns
     __shared__ float red[8 * PREP_ROUND];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     const int t = blockIdx.x, c0 = blockIdx.y * cols, n_own = min(cols, K - c0);
@@ -226,8 +246,10 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) prep_rows(PREP_ARGS)
     }
     grid_dependency_wait();
     float inv = 1.0f;
+    float* own = rowsm;                          // this block's columns, then its outputs
     if (norm) {
-        inv = rms_inv(row_sum_squares(xr, ar, K, red, own, c0, n_own), K, eps);
+        inv = rms_inv(row_sum_squares(xr, ar, K, rowsm, red), K, eps);
+        own = rowsm + c0;
     } else {
         for (int j = threadIdx.x; j < n_own; j += FUSED_THREADS) own[j] = fold_fixed(xr[c0 + j], ar, c0 + j);
         __syncthreads();
@@ -450,36 +472,17 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 #define GDN_CHUNK 32
 #define GDN_THREADS (GDN_COLS * GDN_PARTS)
 
-// The gated norm fused in (NB >= 1, gdn_recur_norm_*): the output rows never leave the block. With
-// dv = 32 NB, the NB column blocks of a head form a thread-block cluster (NB > 1) and each reads the
-// others' outputs from their shared memory for the head's sum of squares, in gdn_out_prep's order
-// (lane i: columns i, i + 32, ...; then the warp's xor tree), so the act16 rows carry the same bits
-// as the unfused pair's; then each block writes its 32 columns of silu(z) * RMSNorm(o; w) as act16
-// (z: the gate projection's int64 sums, cleared as read). Saves the gdn_out_prep launch per layer.
-// NB = 0: the plain recurrence, outputs to `out`.
-struct GdnNorm {
-    long long* zb;               // z sums [T][ldz]
-    int ldz;
-    const float* w;              // ssm_norm [dv]
-    float eps;
-    u16* out16;
-    u16* outxs;
-};
-
-template <int RPT, int NB>
+template <int RPT>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
                                                const int* __restrict__ n_dev, float* __restrict__ out,
-                                               int nk, int nv, int dk, int dv, float scale, int chunk,
-                                               const GdnNorm nrm) {
+                                               int nk, int nv, int dk, int dv, float scale, int chunk) {
     constexpr int DKP = GDN_PARTS * RPT;         // staged row length (zero past dk)
     DYN_SMEM(float, rsm);                        // [chunk][DKP] q, [chunk][DKP] k, [chunk][32] v, decay, beta
-    float* sq = rsm;                             // (fused: then [T][32] outputs, [T][32] normed values)
+    float* sq = rsm;
     float* sk = sq + chunk * DKP;
     float* sv = sk + chunk * DKP;
     float* sdecay = sv + chunk * GDN_COLS;
     float* sbeta = sdecay + chunk;
-    float* so = sbeta + chunk;
-    float* sy = so + T * GDN_COLS;
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     const int z = blockIdx.z, h = blockIdx.y, kh = h % nk;
     const float* rec = (const float*)tbl[4 * z + 0];
@@ -536,8 +539,7 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
         for (int tt = 0; tt < n; ++tt) {
             const float o = dn_token<RPT, GDN_PARTS>(s, sk + tt * DKP, sq + tt * DKP, sv[tt * GDN_COLS + lcol],
                                                      sdecay[tt], sbeta[tt], part);
-            if (NB == 0 && out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
-            if (NB > 0 && part == 0) so[(c0 + tt) * GDN_COLS + lcol] = o * scale;    // (one chunk: T <= chunk)
+            if (out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
         }
     }
     if (S_out != nullptr && col_ok) {
@@ -547,69 +549,16 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
             if (i < dk) S_out[(size_t)i * dv + col] = s[ii];
         }
     }
-    if constexpr (NB > 0) {
-        const int lane = threadIdx.x & 31, rank = NB > 1 ? (int)cluster_rank() : 0;
-        const int n0 = h * dv + GDN_COLS * rank;        // this block's columns of the act16 row
-        const float wv = nrm.w[GDN_COLS * rank + lane];
-        __syncthreads();                                // so[] complete in this block
-        if constexpr (NB > 1) {
-            cluster_arrive();                           // phase 1 (release): every block's so[]
-            cluster_wait();
-        }
-        for (int i = threadIdx.x; i < T * GDN_COLS; i += GDN_THREADS) {    // (token, lane): one warp a token
-            const int tt = i / GDN_COLS;
-            float ss = 0.0f;
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                const float v = NB > 1 ? cluster_ld_f32(so + tt * GDN_COLS + lane, (unsigned)b) : so[tt * GDN_COLS + lane];
-                ss += v * v;
-            }
-            ss = warp_sum(ss);
-            const float inv = (float)(1.0 / sqrt((double)ss / (double)dv + (double)nrm.eps));
-            long long* zp = nrm.zb + (size_t)tt * nrm.ldz + n0 + lane;
-            const float zv = fixed_to_float(*zp);
-            *zp = 0;                                    // read: cleared for the next layer's matmul
-            sy[i] = silu_f(zv) * (so[i] * inv * wv);
-        }
-        if constexpr (NB > 1) cluster_arrive();        // phase 2: this thread's remote reads are done
-        __syncthreads();
-        prep_cols32_rows(sy, n0, 0, T, nrm.out16, nrm.outxs);
-        if constexpr (NB > 1) cluster_wait();          // no block leaves while another may read its so[]
-    }
 }
 
 #define GDN_ARGS const unsigned long long* __restrict__ tbl, int T, const int* __restrict__ n_dev, \
                  float* __restrict__ out, int nk, int nv, int dk, int dv, float scale, int chunk
 #define GDN_CALL tbl, T, n_dev, out, nk, nv, dk, dv, scale, chunk
-#define GDN_NORM_ARGS , long long* __restrict__ zb, int ldz, const float* __restrict__ wn, float eps, \
-                 u16* __restrict__ out16, u16* __restrict__ outxs
-#define GDN_RECUR(RPT)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r##RPT(GDN_ARGS) {                \
-        TL_SCOPE;                                                                                            \
-        gdn_recur_impl<RPT, 0>(GDN_CALL, GdnNorm{});                                                         \
-    }
-#define GDN_RECUR_NORM(RPT, NAME, NB, ATTR)                                                                   \
-    extern "C" __global__ void ATTR __launch_bounds__(GDN_THREADS, 1) NAME(GDN_ARGS GDN_NORM_ARGS) {  \
-        TL_SCOPE;                                                                                            \
-        gdn_recur_impl<RPT, NB>(GDN_CALL, GdnNorm{zb, ldz, wn, eps, out16, outxs});                          \
-    }
-GDN_RECUR(1)
-GDN_RECUR(4)
-GDN_RECUR(8)
-GDN_RECUR(16)
-GDN_RECUR(32)
-// Fused with the gated norm: one block a head (d_v = 32) for every d_k, or a cluster of the head's
-// d_v / 32 blocks at d_k = d_v (the shapes qwen35 models have; others run the unfused pair).
-GDN_RECUR_NORM(1, gdn_recur_norm_r1, 1, )
-GDN_RECUR_NORM(4, gdn_recur_norm_r4, 1, )
-GDN_RECUR_NORM(8, gdn_recur_norm_r8, 1, )
-GDN_RECUR_NORM(16, gdn_recur_norm_r16, 1, )
-GDN_RECUR_NORM(32, gdn_recur_norm_r32, 1, )
-#if defined(TC_HAVE_CLUSTERS)
-GDN_RECUR_NORM(8, gdn_recur_norm_r8_clx2, 2, __cluster_dims__(2, 1, 1))
-GDN_RECUR_NORM(16, gdn_recur_norm_r16_clx4, 4, __cluster_dims__(4, 1, 1))
-GDN_RECUR_NORM(32, gdn_recur_norm_r32_clx8, 8, __cluster_dims__(8, 1, 1))
-#endif
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r1(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<1>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r4(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<4>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r8(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<8>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r16(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<16>(GDN_CALL); }
+extern "C" __global__ void __launch_bounds__(GDN_THREADS, 1) gdn_recur_r32(GDN_ARGS) { TL_SCOPE; gdn_recur_impl<32>(GDN_CALL); }
 
 // ---------------------------------------------------------------------------------------------
 // gdn_commit_conv: the conv state after n = params[1] tokens of a verified block is rows n..n+Kc-2

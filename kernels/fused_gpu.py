@@ -400,8 +400,10 @@ class FusedGpu:
             return Op(label, self._k("fused.cu", f"prep_rows_cly{n_cb}"), (n_rows, n_cb), (FUSED_THREADS,),
                       args + (np.int32(cl_cols),), PREP_SMEM_CLUSTER)
         cols = prep_block_cols(K, n_rows, col_blocks)
-        return Op(label, self._k("fused.cu", "prep_rows"), (n_rows, -(-K // cols)), (FUSED_THREADS,),
-                  args + (np.int32(cols),))
+        kern = self._k("fused.cu", "prep_rows")
+        smem = 4 * (-(-K // 4) * 4 if norm else cols)         # the folded row, or the block's columns
+        self._smem(kern, smem)
+        return Op(label, kern, (n_rows, -(-K // cols)), (FUSED_THREADS,), args + (np.int32(cols),), smem)
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
         """out[0:T] = rows ids_dev[0:T] of the raw GGUF embedding (kernels.cuda_backend.GpuWeight)."""
@@ -442,45 +444,18 @@ class FusedGpu:
                 state_save, qkv_save, qkv_clear, ab_clear, np.int32(tpb))
         return Op(label, kern, (2 * nk + nv + 1, -(-T // tpb)), (FUSED_THREADS,), args, smem)
 
-    def gdn_recur_norm_kernel(self, dk: int, dv: int) -> str | None:
-        """The recurrence kernel with the gated norm fused in (fused.cu gdn_recur_norm_*) for these
-        head sizes, or None where there is none (the step then runs gdn_recur + gdn_out_prep): one
-        block a head at d_v = 32, a cluster of the head's d_v / 32 blocks at d_k = d_v = 64, 128, 256."""
-        rpt = next((r for r in GDN_RPT if GDN_PARTS * r >= dk), None)
-        if rpt is None or dv % GDN_COLS:
-            return None
-        nb = dv // GDN_COLS
-        if nb == 1:
-            return f"gdn_recur_norm_r{rpt}"
-        if self.clusters and (rpt, nb) in ((8, 2), (16, 4), (32, 8)):
-            return f"gdn_recur_norm_r{rpt}_clx{nb}"
-        return None
-
     def op_gdn_recur(self, label: str, tbl, n_slots: int, T: int, n_dev, out, nk: int, nv: int, dk: int,
-                     dv: int, norm: tuple | None = None) -> Op:
-        """T tokens (or *n_dev of them, up to MAX_T, when n_dev is given: commit). norm = (z, ldz, w,
-        eps, act): the gated norm fused in (gdn_recur_norm_kernel; z: the gate projection's int64
-        sums, cleared as read), writing act instead of out."""
+                     dv: int) -> Op:
+        """T tokens (or *n_dev of them, up to MAX_T, when n_dev is given: commit)."""
         rpt = next((r for r in GDN_RPT if GDN_PARTS * r >= dk), None)
         if rpt is None:
             raise ValueError(f"d_k = {dk} exceeds the kernel's {GDN_PARTS * GDN_RPT[-1]}")
+        kern = self._k("fused.cu", f"gdn_recur_r{rpt}")
         chunk = GDN_CHUNK if n_dev is not None else max(1, min(T, GDN_CHUNK))
         smem = 4 * chunk * (2 * GDN_PARTS * rpt + GDN_COLS + 2)     # staged q, k, v, decay, beta
+        self._smem(kern, smem)
         args = (tbl, np.int32(T), n_dev, out, np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv),
                 np.float32(1.0 / math.sqrt(dk)), np.int32(chunk))
-        if norm is None:
-            kern = self._k("fused.cu", f"gdn_recur_r{rpt}")
-        else:
-            name = self.gdn_recur_norm_kernel(dk, dv)
-            z, ldz, w, eps, act = norm
-            if name is None or n_dev is not None or T > GDN_CHUNK:
-                raise ValueError(f"{label}: no fused gated norm for d_k = {dk}, d_v = {dv}, T = {T}")
-            if str(z.dtype) != "int64":
-                raise ValueError(f"{label}: z is an int64 fixed-point sum (got {z.dtype})")
-            kern = self._k("fused.cu", name)
-            smem += 4 * 2 * T * GDN_COLS                              # the block's outputs, then its act16 values
-            args += (z, np.int32(ldz), w, np.float32(eps), act.x16, act.xs)
-        self._smem(kern, smem)
         return Op(label, kern, (-(-dv // GDN_COLS), nv, n_slots), (GDN_COLS * GDN_PARTS,), args, smem)
 
     def op_gdn_commit_conv(self, label: str, tbl, n_slots: int, params, C: int, kc: int) -> Op:

@@ -637,7 +637,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             mbar_init(&s_empty[k], 4);           // the four computing warps
         }
     __syncthreads();
-    const unsigned b_bytes = (unsigned)n_rows_b * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
+#ifdef MM_ACT_ROWS_CAP    // timing only (wrong results): each stage copies only this many activation rows, the
+    // rest of the stage keeps stale bytes (what do the wide product's activation copies cost?)
+    const int n_rows_copy = min(n_rows_b, MM_ACT_ROWS_CAP);
+#else
+    const int n_rows_copy = n_rows_b;
+#endif
+    const unsigned b_bytes = (unsigned)n_rows_copy * 512u + (U::HAS_MIN ? (unsigned)n_rows_copy * 32u : 0u);
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
@@ -660,9 +666,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     };
     auto issue_x = [&](int k, int sb) {          // the issuer warp: superblock sb of the T rows, its sums
         unsigned char* st = smem + k * STAGE;
-        stage_copy(st + G::A_BYTES, x16 + (size_t)sb * (ACT_ROWS * 256), (unsigned)n_rows_b * 512u, &s_full[k], lane);
+        stage_copy(st + G::A_BYTES, x16 + (size_t)sb * (ACT_ROWS * 256), (unsigned)n_rows_copy * 512u, &s_full[k], lane);
         if (U::HAS_MIN)
-            stage_copy(st + XS_OFF, xs + (size_t)sb * (ACT_ROWS * 16), (unsigned)n_rows_b * 32u, &s_full[k], lane);
+            stage_copy(st + XS_OFF, xs + (size_t)sb * (ACT_ROWS * 16), (unsigned)n_rows_copy * 32u, &s_full[k], lane);
     };
     auto advance = [&]() {
         ++i_f;

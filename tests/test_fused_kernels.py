@@ -642,49 +642,6 @@ def test_deltanet_gated_norm_prep(dev):
     assert not _h(xp, z_fx).any()
 
 
-@pytest.mark.parametrize("dk, dv, nk, nv, T", [(32, 32, 2, 4, 5), (64, 64, 1, 2, 3), (128, 128, 1, 2, 2),
-                                              (24, 32, 1, 2, 3)])
-def test_deltanet_recurrence_with_fused_gated_norm(dev, dk, dv, nk, nv, T):
-    """gdn_recur_norm_* (the gated norm fused into the recurrence; at d_v > 32 the head's column
-    blocks a thread-block cluster that shares the outputs) writes the act16 rows, block sums and
-    state the unfused gdn_recur + gdn_out_prep write, bit for bit, in advance and verify mode, and
-    clears z. The bug this guards: a head's sum of squares summed in another order than the
-    unfused path's, or read before the other blocks of its cluster wrote their outputs."""
-    name, d, fg = dev
-    xp = fg.xp
-    kern = fg.gdn_recur_norm_kernel(dk, dv)
-    if kern is None:
-        pytest.skip(f"no fused kernel for d_k = {dk}, d_v = {dv} on {name}")
-    rng = np.random.default_rng(dk + 7 * T)
-    c = _dn_case(rng, T, nk=nk, nv=nv, dk=dk, dv=dv)
-    R = c["C"] + 2 * nv
-    rec = xp.array(fused_ref.gdn_conv_ref(c["qkv"], c["state"], c["conv_w"], c["ab"], c["dt_bias"], c["ssm_a"],
-                                          nk, nv, dk, dv, 1e-6)[0])
-    z = _on_fixed_grid(rng.standard_normal((T, nv * dv)))
-    w = xp.array((1 + 0.1 * rng.standard_normal(dv)).astype(np.float32))
-    for verify in (False, True):
-        outs = []
-        for fused in (False, True):
-            S, bak = xp.array(c["S"]), xp.zeros((nv, dk, dv), dtype=xp.float32)
-            tbl = xp.array(np.array([fg.ptr(rec), fg.ptr(S), 0 if verify else fg.ptr(S),
-                                     fg.ptr(bak) if verify else 0], dtype=np.uint64))
-            act, z_fx = ActBuffer(xp, nv * dv), _fx(xp, z)
-            if fused:
-                op = fg.op_gdn_recur("rn", tbl, 1, T, None, None, nk, nv, dk, dv,
-                                     norm=(z_fx, nv * dv, w, 1e-6, act))
-                assert op.grid[0] == dv // 32 and (name != "emu" or op.kernel.symbol == kern)
-                op()
-            else:
-                o = xp.zeros((T, nv * dv), dtype=xp.float32)
-                fg.op_gdn_recur("r", tbl, 1, T, None, o, nk, nv, dk, dv)()
-                fg.op_gdn_out_prep("g", o, z_fx, nv * dv, w, 1e-6, nv, dv, act, T)()
-            assert not _h(xp, z_fx).any(), f"fused={fused}: z not cleared"
-            g16, gxs = act.read_rows(T)
-            outs.append((g16.copy(), gxs.copy(), _h(xp, S).copy(), _h(xp, bak).copy()))
-        for a, b, what in zip(outs[0], outs[1], ("act16", "block sums", "state", "backup")):
-            assert np.array_equal(a, b), f"verify={verify}: the fused kernel's {what} differ from the unfused pair's"
-
-
 @pytest.mark.parametrize("n_past", (0, 5, 300, 1100))
 def test_attention_kernels(dev, n_past):
     name, d, fg = dev
