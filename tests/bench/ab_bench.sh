@@ -18,6 +18,6 @@ for _ in $(seq "$rounds"); do
     for tree in "$PWD" "$@"; do
         echo "== $tree"
         (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout 150 "${bench[@]}" 2>&1) \
-            | grep -E "^(decode|verify|rollback|graph|host) " | grep -v -e "tok/s (" -e "^verify  "
+            | grep -E "^(prefill|decode|verify|rollback|graph|host) " | grep -v -e "tok/s (" -e "^verify  "
     done
 done
