@@ -70,7 +70,6 @@ def prep_block_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int:
 
 
 PREP_CLUSTER_MAX = 8                # fused.cu prep_rows_cly<N>: column blocks a row's cluster holds at most
-PREP_CLUSTER_MIN_CHUNKS = 1         # 256-column chunks a cluster block holds at least
 
 
 def prep_cluster_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int | None:
@@ -79,8 +78,8 @@ def prep_cluster_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int
     until a row's blocks fit one cluster; None when a row is one block (nothing to share) or has
     more than 32 chunks."""
     chunks = -(-K // PREP_COLS)
-    cpb = max(prep_block_cols(K, n_rows, col_blocks) // PREP_COLS, -(-chunks // PREP_CLUSTER_MAX),
-              PREP_CLUSTER_MIN_CHUNKS)
+    # (7 blocks of 768 columns at decode ran the 27B's graph 0.05-0.09 ms faster than 5 of 1024, H200)
+    cpb = max(prep_block_cols(K, n_rows, col_blocks) // PREP_COLS, -(-chunks // PREP_CLUSTER_MAX))
     if chunks > 32 or cpb > PREP_MAX_COLS // PREP_COLS or -(-chunks // cpb) < 2:
         return None
     return cpb * PREP_COLS

@@ -380,12 +380,6 @@ __device__ __forceinline__ float cluster_ld_f32(const float* p, unsigned rank) {
     return v;
 }
 #define TC_HAVE_CLUSTERS 1
-#else
-// declared only, for templates whose cluster branches these builds never instantiate
-__device__ unsigned cluster_rank();
-__device__ void cluster_arrive();
-__device__ void cluster_wait();
-__device__ float cluster_ld_f32(const float* p, unsigned rank);
 #endif
 
 // ---------------------------------------------------------------------------------------------
