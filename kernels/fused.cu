@@ -685,21 +685,29 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 // covers rows [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 16: a
 // function of p only. Inside a split, warp w takes rows 4w.., 4 at a time (independent dot
 // products in flight), then 16 further; online softmax per warp, the warps merged in order. Writes
-// (m, l) and the unnormalised o of the split. grid (n_split, H, T), 128 threads, D <= 256, D % 8 == 0.
+// (m, l) and the unnormalised o of the split. 128 threads, D <= 256, D % 8 == 0.
+//
+// A block takes R query heads of one KV group (attn_partial_g<R>, grid (n_split, H / R, T); R
+// divides H / Hkv): each key's K and V rows, loaded once into registers, serve all R heads. One
+// head a block re-read every key through L1 once per head of the group (ncu at T = 23: L1/TEX
+// throughput 88.5%, the kernel's limit). Each head's arithmetic is the same whatever R (the same
+// operations in the same order), so R may differ between launches (decode and verify) and the
+// rows stay bit-identical.
 #define ATT_WARPS 4
 #define ATT_KEYS 4
 #define ATT_MAX_SPLITS 16                        // fused_gpu.py ATT_SPLITS
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
-    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
-    int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
-    float scale) { TL_SCOPE;
-    __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
-    __shared__ float s_o[ATT_WARPS][256];
+template <int R>
+__device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const int* __restrict__ params,
+                                                  const unsigned long long* __restrict__ tbl, int slot,
+                                                  float* __restrict__ part_o, float* __restrict__ part_ml, int H,
+                                                  int Hkv, int D, int n_split, float scale) {
+    __shared__ float s_m[R][ATT_WARPS], s_l[R][ATT_WARPS];
+    __shared__ float s_o[R][ATT_WARPS][256];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
-    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+    const int s = blockIdx.x, h0 = blockIdx.y * R, t = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kvh = h / (H / Hkv);
+    const int kvh = h0 / (H / Hkv);
     const int n_keys = params[0] + t + 1;
     const int ctx = (int)tbl[slot + 2];
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
@@ -710,16 +718,20 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
     // Lane L holds dims 8L .. 8L+7 (D % 8 == 0, D <= 256): a key's K and V rows are two 16-byte
     // loads per lane, and the ATT_KEYS keys of a round are all requested at once, K and V together
     // (V does not wait for the scores), so a round costs one memory latency.
-    const float* qr = q + ((size_t)t * H + h) * D;
     const int d0 = 8 * lane;
     const bool live = d0 < D;
-    float qv[8], acc[8];
+    float qv[R][8], acc[R][8], m[R], l[R];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        qv[e] = live ? qr[d0 + e] : 0.0f;
-        acc[e] = 0.0f;
+    for (int r = 0; r < R; ++r) {
+        const float* qr = q + ((size_t)t * H + h0 + r) * D;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            qv[r][e] = live ? qr[d0 + e] : 0.0f;
+            acc[r][e] = 0.0f;
+        }
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
     }
-    float m = NEG_INF, l = 0.0f;
     const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int jb = j0 + warp * ATT_KEYS; jb < j1; jb += ATT_WARPS * ATT_KEYS) {
         float4 kq[ATT_KEYS][2], vq[ATT_KEYS][2];
@@ -733,60 +745,78 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial(
             vq[u][0] = ok ? vr[0] : zero4;
             vq[u][1] = ok ? vr[1] : zero4;
         }
-        float dot[ATT_KEYS];
 #pragma unroll
-        for (int u = 0; u < ATT_KEYS; ++u) {
-            const float4 a = kq[u][0], b = kq[u][1];
-            dot[u] = ((qv[0] * a.x + qv[1] * a.y) + (qv[2] * a.z + qv[3] * a.w)) +
-                     ((qv[4] * b.x + qv[5] * b.y) + (qv[6] * b.z + qv[7] * b.w));
-        }
-#pragma unroll
-        for (int u = 0; u < ATT_KEYS; ++u) dot[u] = warp_sum(dot[u]) * scale;
-        float m_new = m;
-#pragma unroll
-        for (int u = 0; u < ATT_KEYS; ++u)
-            if (jb + u < j1) m_new = fmaxf(m_new, dot[u]);
-        const float corr = expf(m - m_new);
-        float p[ATT_KEYS];
-#pragma unroll
-        for (int u = 0; u < ATT_KEYS; ++u) p[u] = jb + u < j1 ? expf(dot[u] - m_new) : 0.0f;
-        l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            float a = acc[e] * corr;
+        for (int r = 0; r < R; ++r) {
+            float dot[ATT_KEYS];
 #pragma unroll
             for (int u = 0; u < ATT_KEYS; ++u) {
-                const float4 vv = vq[u][e >> 2];
-                const float ve = (e & 3) == 0 ? vv.x : ((e & 3) == 1 ? vv.y : ((e & 3) == 2 ? vv.z : vv.w));
-                a += p[u] * ve;
+                const float4 a = kq[u][0], b = kq[u][1];
+                dot[u] = ((qv[r][0] * a.x + qv[r][1] * a.y) + (qv[r][2] * a.z + qv[r][3] * a.w)) +
+                         ((qv[r][4] * b.x + qv[r][5] * b.y) + (qv[r][6] * b.z + qv[r][7] * b.w));
             }
-            acc[e] = a;
-        }
-        m = m_new;
-    }
-    if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
-        if (live) s_o[warp][d0 + e] = acc[e];
-    __syncthreads();
-    float M = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; ++w)
-        if (s_l[w] > 0.0f) M = fmaxf(M, s_m[w]);
-    const size_t slot_i = ((size_t)t * H + h) * n_split + s;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float o = 0.0f;
-        for (int w = 0; w < ATT_WARPS; ++w)
-            if (s_l[w] > 0.0f) o += s_o[w][d] * expf(s_m[w] - M);
-        part_o[slot_i * D + d] = o;
+            for (int u = 0; u < ATT_KEYS; ++u) dot[u] = warp_sum(dot[u]) * scale;
+            float m_new = m[r];
+#pragma unroll
+            for (int u = 0; u < ATT_KEYS; ++u)
+                if (jb + u < j1) m_new = fmaxf(m_new, dot[u]);
+            const float corr = expf(m[r] - m_new);
+            float p[ATT_KEYS];
+#pragma unroll
+            for (int u = 0; u < ATT_KEYS; ++u) p[u] = jb + u < j1 ? expf(dot[u] - m_new) : 0.0f;
+            l[r] = l[r] * corr + ((p[0] + p[1]) + (p[2] + p[3]));
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float a = acc[r][e] * corr;
+#pragma unroll
+                for (int u = 0; u < ATT_KEYS; ++u) {
+                    const float4 vv = vq[u][e >> 2];
+                    const float ve = (e & 3) == 0 ? vv.x : ((e & 3) == 1 ? vv.y : ((e & 3) == 2 ? vv.z : vv.w));
+                    a += p[u] * ve;
+                }
+                acc[r][e] = a;
+            }
+            m[r] = m_new;
+        }
     }
-    if (threadIdx.x == 0) {
-        float L = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (lane == 0) { s_m[r][warp] = m[r]; s_l[r][warp] = l[r]; }
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (live) s_o[r][warp][d0 + e] = acc[r][e];
+    }
+    __syncthreads();
+    for (int r = 0; r < R; ++r) {
+        float M = NEG_INF;
         for (int w = 0; w < ATT_WARPS; ++w)
-            if (s_l[w] > 0.0f) L += s_l[w] * expf(s_m[w] - M);
-        part_ml[slot_i * 2] = M;
-        part_ml[slot_i * 2 + 1] = L;
+            if (s_l[r][w] > 0.0f) M = fmaxf(M, s_m[r][w]);
+        const size_t slot_i = ((size_t)t * H + h0 + r) * n_split + s;
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            float o = 0.0f;
+            for (int w = 0; w < ATT_WARPS; ++w)
+                if (s_l[r][w] > 0.0f) o += s_o[r][w][d] * expf(s_m[r][w] - M);
+            part_o[slot_i * D + d] = o;
+        }
+        if (threadIdx.x == 0) {
+            float L = 0.0f;
+            for (int w = 0; w < ATT_WARPS; ++w)
+                if (s_l[r][w] > 0.0f) L += s_l[r][w] * expf(s_m[r][w] - M);
+            part_ml[slot_i * 2] = M;
+            part_ml[slot_i * 2 + 1] = L;
+        }
     }
 }
+#define ATT_ARGS                                                                                                   \
+    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,      \
+        int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,    \
+        float scale
+#define ATT_CALL q, params, tbl, slot, part_o, part_ml, H, Hkv, D, n_split, scale
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g1(ATT_ARGS) { TL_SCOPE; attn_partial_impl<1>(ATT_CALL); }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g2(ATT_ARGS) { TL_SCOPE; attn_partial_impl<2>(ATT_CALL); }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g3(ATT_ARGS) { TL_SCOPE; attn_partial_impl<3>(ATT_CALL); }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g4(ATT_ARGS) { TL_SCOPE; attn_partial_impl<4>(ATT_CALL); }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g6(ATT_ARGS) { TL_SCOPE; attn_partial_impl<6>(ATT_CALL); }
 
 // attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.

@@ -44,6 +44,17 @@ GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r*: d_k <= GDN_PARTS * RPT
 GDN_CHUNK = 32                      # fused.cu GDN_CHUNK: tokens staged at once (at most)
 GDN_CONV_TOKENS = 4                 # gdn_conv: tokens a block computes in a verify step
 ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial (fused.cu ATT_MAX_SPLITS)
+ATT_HEADS = (1, 2, 3, 4, 6)         # query heads a block of attn_partial can take (fused.cu attn_partial_g<R>)
+ATT_HEADS_DECODE = 1                # at most this many at T = 1, ATT_HEADS_WIDE at T > 1
+ATT_HEADS_WIDE = 3
+
+
+def attn_heads_per_block(group: int, T: int) -> int:
+    """The query heads of one KV group an attn_partial block takes: each key's K and V rows then
+    serve that many heads from registers (wide steps were L1-bound re-reading them per head),
+    where fewer heads a block keeps more blocks for short launches."""
+    cap = ATT_HEADS_DECODE if T == 1 else ATT_HEADS_WIDE
+    return max(r for r in ATT_HEADS if r <= cap and group % r == 0)
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
@@ -480,13 +491,18 @@ class FusedGpu:
         return Op(label, kern, (H + 2 * Hkv, T), (max(32, -(-D // 32) * 32),), args)
 
     def op_attn_partial(self, label: str, q, params, tbl, slot: int, part_o, part_ml, H: int, Hkv: int, D: int,
-                        scale: float, T: int) -> Op:
+                        scale: float, T: int, heads: int | None = None) -> Op:
+        """Split-K attention of T rows over the cache; a block takes `heads` query heads of one KV
+        group (default attn_heads_per_block: the result's bits do not depend on it)."""
         if D % 8 or D > 256:
             raise ValueError(f"{label}: attention head size {D} (attn_partial takes multiples of 8 up to 256)")
-        kern = self._k("fused.cu", "attn_partial")
+        R = heads if heads is not None else attn_heads_per_block(H // Hkv, T)
+        if R not in ATT_HEADS or H % Hkv or (H // Hkv) % R:
+            raise ValueError(f"{label}: {R} heads a block for a group of {H}/{Hkv} heads")
+        kern = self._k("fused.cu", f"attn_partial_g{R}")
         args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
                 np.int32(ATT_SPLITS), np.float32(scale))
-        return Op(label, kern, (ATT_SPLITS, H, T), (128,), args)
+        return Op(label, kern, (ATT_SPLITS, H // R, T), (128,), args)
 
     def op_attn_combine_prep(self, label: str, part_o, part_ml, qg, H: int, D: int, act: ActBuffer, T: int) -> Op:
         kern = self._k("fused.cu", "attn_combine_prep")
