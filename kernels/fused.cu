@@ -696,6 +696,26 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 #define ATT_WARPS 4
 #define ATT_KEYS 4
 #define ATT_MAX_SPLITS 16                        // fused_gpu.py ATT_SPLITS
+// The round's 4 dot products summed over the warp's 32 lanes, into every lane (times scale), in 10
+// shuffles instead of 4 x 5: the lanes first trade halves of their 4 partials (xor 16: keys 0,1 |
+// 2,3; xor 8: one key each), so that lane L ends with the whole sum of key 2 (L >> 4 & 1) + (L >> 3
+// & 1) after 3 more xor steps, which lanes 0, 8, 16, 24 then broadcast. Shuffles (the MIO pipe,
+// shared with shared memory) were what the kernel's "L1/TEX" throughput counted: with 3 heads a
+// block, a third of the K/V loads, it still read 81%. A fixed tree per (head, round): the same bits
+// whatever the block holds.
+__device__ __forceinline__ void att_round_sums(float (&d)[ATT_KEYS], int lane, float scale) {
+    const bool hi16 = (lane & 16) != 0, hi8 = (lane & 8) != 0;
+    const float k0 = hi16 ? d[2] : d[0], k1 = hi16 ? d[3] : d[1];          // kept: keys 2b4, 2b4+1
+    const float e0 = k0 + shfl_xor(hi16 ? d[0] : d[2], 16);
+    const float e1 = k1 + shfl_xor(hi16 ? d[1] : d[3], 16);
+    float f = (hi8 ? e1 : e0) + shfl_xor(hi8 ? e0 : e1, 8);                // key 2b4 + b3
+    f += shfl_xor(f, 4);
+    f += shfl_xor(f, 2);
+    f += shfl_xor(f, 1);
+    const u32 fs = __float_as_uint(f * scale);
+#pragma unroll
+    for (int u = 0; u < ATT_KEYS; ++u) d[u] = __uint_as_float(shfl(fs, 8 * u));
+}
 template <int R>
 __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const int* __restrict__ params,
                                                   const unsigned long long* __restrict__ tbl, int slot,
@@ -754,8 +774,7 @@ __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, c
                 dot[u] = ((qv[r][0] * a.x + qv[r][1] * a.y) + (qv[r][2] * a.z + qv[r][3] * a.w)) +
                          ((qv[r][4] * b.x + qv[r][5] * b.y) + (qv[r][6] * b.z + qv[r][7] * b.w));
             }
-#pragma unroll
-            for (int u = 0; u < ATT_KEYS; ++u) dot[u] = warp_sum(dot[u]) * scale;
+            att_round_sums(dot, lane, scale);
             float m_new = m[r];
 #pragma unroll
             for (int u = 0; u < ATT_KEYS; ++u)
