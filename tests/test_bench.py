@@ -157,6 +157,28 @@ def test_drop_ops_script_leaves_out_only_the_named_kinds():
     assert seen == {"gdn_recur", "mm ssm_out Q4_K"}
 
 
+def test_host_probe_times_what_the_step_calls():
+    """tests/bench/host_probe_gpu.py (GPU only) times a decode step's host-side pieces by wrapping the
+    step's own methods and reads its decode graph from the plan cache: a rename there would leave the
+    probe timing nothing, so the names it wraps must exist, and its wrapper must keep results."""
+    import importlib.util
+    from pathlib import Path
+    from daemons.qwen35_gpu import Qwen35GpuStep
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("host_probe_gpu", root / "tests" / "bench" / "host_probe_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name in ("_bind", "_upload", "_launch", "_to_host", "_runner"):
+        assert callable(getattr(Qwen35GpuStep, name, None)), name
+
+    class Obj:
+        def f(self, x):
+            return 2 * x
+    o, samples = Obj(), {}
+    mod._timed(samples, "f", o, "f")
+    assert o.f(4) == 8 and o.f(5) == 10 and len(samples["f"]) == 2
+
+
 def test_timeline_breakdown_sums_to_the_step():
     """tests/bench/timeline_gpu_step.py attributes a graph's time to its launches from their recorded
     start / release / end: the "adds" column must sum to the step's span, a launch that ends under
