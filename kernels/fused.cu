@@ -837,6 +837,188 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g3(ATT
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g4(ATT_ARGS) { TL_SCOPE; attn_partial_impl<4>(ATT_CALL); }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g6(ATT_ARGS) { TL_SCOPE; attn_partial_impl<6>(ATT_CALL); }
 
+// attn_partial_tc: attn_partial's splits on tensor cores. A block (two warps) takes 16 rows of the
+// flat (row t, head g of KV group kvh) space, m = t * G + g (G = H / Hkv), and one split; grid
+// (n_split, Hkv, ceil(T * G / 16)). Per 16-key tile the scores S = Q K^T come from m16n8k16 MMAs
+// and the outputs O += P V from more; each warp keeps half of D in its accumulators (warp w: dims
+// w * D/2 ..), both compute the whole S. Every f32 operand (q, k, p, v) goes in as two f16 halves,
+// x = hi + lo with lo = f16(x - hi), and each product as hi*hi + hi*lo + lo*hi accumulated in f32:
+// about 22 bits of each operand instead of f16's 11 (f16 alone moved the attention weights by ~1e-3
+// relative). Per row the online softmax runs over the same 16-key tiles (aligned: j0 is a multiple
+// of 16) whatever rows share its block; a tile where the row has no keys leaves it unchanged exactly
+// (corr = 1, p = 0), and keys outside the row's range score -inf. MMA outputs are independent per
+// row, so a row's bits do not depend on T (decode and verify rows stay equal). K and V rows past
+// the tile's last valid key are read as 0 (past the cache's written rows they may hold anything).
+// D % 16 == 0, D <= 256; |v| < 65504 (f16 range of the hi half).
+#define ATT_TC_ROWS 16
+#define ATT_TC_MAXD 256
+__device__ __forceinline__ void hl_split(float x, float y, u32& hi, u32& lo) {
+    const u16 hx = f2h(x), hy = f2h(y);
+    const u16 lx = f2h(x - h2f(hx)), ly = f2h(y - h2f(hy));
+    hi = (u32)hx | ((u32)hy << 16);
+    lo = (u32)lx | ((u32)ly << 16);
+}
+__device__ __forceinline__ void att_split_range(int n_keys, int n_split, int s, int& j0, int& j1) {
+    int chunk = (n_keys + n_split - 1) / n_split;
+    chunk = (chunk + ATT_WARPS * ATT_KEYS - 1) / (ATT_WARPS * ATT_KEYS) * (ATT_WARPS * ATT_KEYS);
+    j0 = s * chunk;
+    j1 = min(j0 + chunk, n_keys);
+}
+// hi*hi + hi*lo + lo*hi into d (the fixed order every row gets)
+__device__ __forceinline__ void mma3(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], u32 bh0, u32 bh1,
+                                     u32 bl0, u32 bl1) {
+    mma16816(d, ah, bh0, bh1);
+    mma16816(d, ah, bl0, bl1);
+    mma16816(d, al, bh0, bh1);
+}
+extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
+    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
+    int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
+    float scale, int T) { TL_SCOPE;
+    __shared__ u32 sqh[ATT_TC_ROWS][ATT_TC_MAXD / 2 + 4];   // q as f16 pairs (hi), rows padded: conflict-free
+    __shared__ u32 sql[ATT_TC_ROWS][ATT_TC_MAXD / 2 + 4];   // (lo)
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
+    grid_dependency_wait();
+    const int s = blockIdx.x, kvh = blockIdx.y, m0 = blockIdx.z * ATT_TC_ROWS;
+    const int G = H / Hkv, M = T * G, DP = D / 2;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int p0 = params[0];
+    const int ctx = (int)tbl[slot + 2];
+    const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
+    const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
+    for (int e = threadIdx.x; e < ATT_TC_ROWS * DP; e += blockDim.x) {
+        const int r = e / DP, pp = e - r * DP, m = m0 + r;
+        float x = 0.0f, y = 0.0f;
+        if (m < M) {
+            const int t = m / G, h = kvh * G + (m - t * G);
+            const float* qr = q + ((size_t)t * H + h) * D + 2 * pp;
+            x = qr[0];
+            y = qr[1];
+        }
+        hl_split(x, y, sqh[r][pp], sql[r][pp]);
+    }
+    // This lane's rows g and g + 8 and their keys in split s; the block walks the union of its rows'
+    // ranges (the rows' t grow with m, and so do their ranges' ends).
+    int j0r[2], j1r[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int m = m0 + g + 8 * i;
+        if (m < M) att_split_range(p0 + m / G + 1, n_split, s, j0r[i], j1r[i]);
+        else j0r[i] = j1r[i] = 0;
+    }
+    int lo, hi, unused;
+    att_split_range(p0 + m0 / G + 1, n_split, s, lo, unused);
+    att_split_range(p0 + min(M - 1, m0 + ATT_TC_ROWS - 1) / G + 1, n_split, s, unused, hi);
+    __syncthreads();
+    const int DH = D / 2, NJ = DH / 8, d0 = warp * DH;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    float acc[ATT_TC_MAXD / 16][4];
+#pragma unroll
+    for (int j = 0; j < ATT_TC_MAXD / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int kb = lo; kb < hi; kb += 16) {
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int ks = 0; ks < D / 16; ++ks) {
+            u32 ah[4], al[4];
+            ah[0] = sqh[g][ks * 8 + c];     al[0] = sql[g][ks * 8 + c];
+            ah[1] = sqh[g + 8][ks * 8 + c]; al[1] = sql[g + 8][ks * 8 + c];
+            ah[2] = sqh[g][ks * 8 + 4 + c]; al[2] = sql[g][ks * 8 + 4 + c];
+            ah[3] = sqh[g + 8][ks * 8 + 4 + c]; al[3] = sql[g + 8][ks * 8 + 4 + c];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int key = kb + 8 * nt + g;
+                float2 ka = make_float2(0.0f, 0.0f), kb8 = make_float2(0.0f, 0.0f);
+                if (key < hi) {
+                    const float* kr = kc + (size_t)key * D + ks * 16 + 2 * c;
+                    ka = *(const float2*)kr;
+                    kb8 = *(const float2*)(kr + 8);
+                }
+                u32 bh0, bl0, bh1, bl1;
+                hl_split(ka.x, ka.y, bh0, bl0);
+                hl_split(kb8.x, kb8.y, bh1, bl1);
+                mma3(sc[nt], ah, al, bh0, bh1, bl0, bl1);
+            }
+        }
+        // sc[nt][e]: row g + 8 (e >> 1), key kb + 8 nt + 2c + (e & 1)
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1, key = kb + 8 * nt + 2 * c + (e & 1);
+                const float v = (key >= j0r[i] && key < j1r[i]) ? sc[nt][e] * scale : NEG_INF;
+                sc[nt][e] = v;
+                mx[i] = fmaxf(mx[i], v);
+            }
+        float mn[2], corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], shfl_xor(mx[i], 1));
+            mx[i] = fmaxf(mx[i], shfl_xor(mx[i], 2));
+            mn[i] = fmaxf(mrow[i], mx[i]);
+            corr[i] = mn[i] == NEG_INF ? 1.0f : expf(mrow[i] - mn[i]);
+        }
+        float p[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1;
+                p[nt][e] = sc[nt][e] == NEG_INF ? 0.0f : expf(sc[nt][e] - mn[i]);
+            }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float ps = (p[0][2 * i] + p[0][2 * i + 1]) + (p[1][2 * i] + p[1][2 * i + 1]);
+            ps += shfl_xor(ps, 1);
+            ps += shfl_xor(ps, 2);
+            lrow[i] = lrow[i] * corr[i] + ps;
+            mrow[i] = mn[i];
+        }
+        // P as the A fragments of P V: the scores' C layout is the A layout of a 16-key k-step
+        u32 ph[4], pl[4];
+        hl_split(p[0][0], p[0][1], ph[0], pl[0]);
+        hl_split(p[0][2], p[0][3], ph[1], pl[1]);
+        hl_split(p[1][0], p[1][1], ph[2], pl[2]);
+        hl_split(p[1][2], p[1][3], ph[3], pl[3]);
+        const int k0 = kb + 2 * c;
+#pragma unroll
+        for (int j = 0; j < ATT_TC_MAXD / 16; ++j) {
+            if (j < NJ) {
+                acc[j][0] *= corr[0];
+                acc[j][1] *= corr[0];
+                acc[j][2] *= corr[1];
+                acc[j][3] *= corr[1];
+                const int d = d0 + 8 * j + g;
+                const float v0 = k0 < hi ? vc[(size_t)k0 * D + d] : 0.0f;
+                const float v1 = k0 + 1 < hi ? vc[(size_t)(k0 + 1) * D + d] : 0.0f;
+                const float v8 = k0 + 8 < hi ? vc[(size_t)(k0 + 8) * D + d] : 0.0f;
+                const float v9 = k0 + 9 < hi ? vc[(size_t)(k0 + 9) * D + d] : 0.0f;
+                u32 bh0, bl0, bh1, bl1;
+                hl_split(v0, v1, bh0, bl0);
+                hl_split(v8, v9, bh1, bl1);
+                mma3(acc[j], ph, pl, bh0, bh1, bl0, bl1);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int m = m0 + g + 8 * i;
+        if (m >= M) continue;
+        const int t = m / G, h = kvh * G + (m - t * G);
+        const size_t slot_i = ((size_t)t * H + h) * n_split + s;
+#pragma unroll
+        for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
+            if (j < NJ) {
+                float* o = part_o + slot_i * D + d0 + 8 * j + 2 * c;
+                o[0] = acc[j][2 * i];
+                o[1] = acc[j][2 * i + 1];
+            }
+        if (warp == 0 && c == 0) {
+            part_ml[slot_i * 2] = lrow[i] > 0.0f ? mrow[i] : NEG_INF;
+            part_ml[slot_i * 2 + 1] = lrow[i];
+        }
+    }
+}
+
 // attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
