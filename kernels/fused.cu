@@ -852,11 +852,19 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g6(ATT
 // D % 16 == 0, D <= 256; |v| < 65504 (f16 range of the hi half).
 #define ATT_TC_ROWS 16
 #define ATT_TC_MAXD 256
+// (x, y) as an f16 pair (x in the low half), each rounded to nearest even: one cvt on CUDA.
+__device__ __forceinline__ u32 f2h2(float x, float y) {
+#if !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(y), "f"(x));
+    return d;
+#else
+    return (u32)f2h(x) | ((u32)f2h(y) << 16);
+#endif
+}
 __device__ __forceinline__ void hl_split(float x, float y, u32& hi, u32& lo) {
-    const u16 hx = f2h(x), hy = f2h(y);
-    const u16 lx = f2h(x - h2f(hx)), ly = f2h(y - h2f(hy));
-    hi = (u32)hx | ((u32)hy << 16);
-    lo = (u32)lx | ((u32)ly << 16);
+    hi = f2h2(x, y);
+    lo = f2h2(x - h2f((u16)(hi & 0xffffu)), y - h2f((u16)(hi >> 16)));
 }
 __device__ __forceinline__ void att_split_range(int n_keys, int n_split, int s, int& j0, int& j1) {
     int chunk = (n_keys + n_split - 1) / n_split;
