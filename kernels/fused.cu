@@ -924,7 +924,21 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
 #pragma unroll
     for (int j = 0; j < ATT_TC_MAXD / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     for (int kb = lo; kb < hi; kb += 16) {
+        // The tile's V values first: nothing they feed is known yet, so their loads fly while the
+        // scores are computed (each lane: keys kb + 2c, +1, +8, +9 of dims d0 + 8j + g).
+        const int k0 = kb + 2 * c;
+        float vv[ATT_TC_MAXD / 16][4];
+#pragma unroll
+        for (int j = 0; j < ATT_TC_MAXD / 16; ++j) {
+            const int d = d0 + 8 * j + g;
+            const bool dj = j < NJ;
+            vv[j][0] = dj && k0 < hi ? vc[(size_t)k0 * D + d] : 0.0f;
+            vv[j][1] = dj && k0 + 1 < hi ? vc[(size_t)(k0 + 1) * D + d] : 0.0f;
+            vv[j][2] = dj && k0 + 8 < hi ? vc[(size_t)(k0 + 8) * D + d] : 0.0f;
+            vv[j][3] = dj && k0 + 9 < hi ? vc[(size_t)(k0 + 9) * D + d] : 0.0f;
+        }
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll 4
         for (int ks = 0; ks < D / 16; ++ks) {
             u32 ah[4], al[4];
             ah[0] = sqh[g][ks * 8 + c];     al[0] = sql[g][ks * 8 + c];
@@ -987,7 +1001,6 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
         hl_split(p[0][2], p[0][3], ph[1], pl[1]);
         hl_split(p[1][0], p[1][1], ph[2], pl[2]);
         hl_split(p[1][2], p[1][3], ph[3], pl[3]);
-        const int k0 = kb + 2 * c;
 #pragma unroll
         for (int j = 0; j < ATT_TC_MAXD / 16; ++j) {
             if (j < NJ) {
@@ -995,14 +1008,9 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
                 acc[j][1] *= corr[0];
                 acc[j][2] *= corr[1];
                 acc[j][3] *= corr[1];
-                const int d = d0 + 8 * j + g;
-                const float v0 = k0 < hi ? vc[(size_t)k0 * D + d] : 0.0f;
-                const float v1 = k0 + 1 < hi ? vc[(size_t)(k0 + 1) * D + d] : 0.0f;
-                const float v8 = k0 + 8 < hi ? vc[(size_t)(k0 + 8) * D + d] : 0.0f;
-                const float v9 = k0 + 9 < hi ? vc[(size_t)(k0 + 9) * D + d] : 0.0f;
                 u32 bh0, bl0, bh1, bl1;
-                hl_split(v0, v1, bh0, bl0);
-                hl_split(v8, v9, bh1, bl1);
+                hl_split(vv[j][0], vv[j][1], bh0, bl0);
+                hl_split(vv[j][2], vv[j][3], bh1, bl1);
                 mma3(acc[j], ph, pl, bh0, bh1, bl0, bl1);
             }
         }
