@@ -879,17 +879,28 @@ __device__ __forceinline__ void mma3(float (&d)[4], const u32 (&ah)[4], const u3
     mma16816(d, ah, bl0, bl1);
     mma16816(d, al, bh0, bh1);
 }
-extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
+// KG key groups: 2 * KG warps a block, warp (kg, half) = (warp >> 1, warp & 1) walking the tiles whose
+// index kb / 16 is kg modulo KG (absolute, so a row's tiles fall in the same group whatever rows share
+// the block); the groups' softmax states are merged in group order at the end (groups with no keys
+// skipped, as attn_combine_prep merges splits). KG = 2 halves each warp's chain of tiles (decode: one
+// m-tile a split and KV head, its tiles in series) at the price of the merge; the two build other bits,
+// each the same for every T.
+template <int KG>
+__device__ __forceinline__ void attn_partial_tc_impl(
     const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
     int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
-    float scale, int T) { TL_SCOPE;
+    float scale, int T) {
     __shared__ u32 sqh[ATT_TC_ROWS][ATT_TC_MAXD / 2 + 4];   // q as f16 pairs (hi), rows padded: conflict-free
     __shared__ u32 sql[ATT_TC_ROWS][ATT_TC_MAXD / 2 + 4];   // (lo)
+    // groups 1.. hand their state to group 0 here: o [KG-1][16 rows][D + 4], (m, l) [KG-1][16][2]
+    __shared__ float s_o[KG > 1 ? KG - 1 : 1][KG > 1 ? ATT_TC_ROWS : 1][KG > 1 ? ATT_TC_MAXD + 4 : 1];
+    __shared__ float s_ml[KG > 1 ? KG - 1 : 1][ATT_TC_ROWS][2];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
     const int s = blockIdx.x, kvh = blockIdx.y, m0 = blockIdx.z * ATT_TC_ROWS;
     const int G = H / Hkv, M = T * G, DP = D / 2;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int kg = warp >> 1;
     const int p0 = params[0];
     const int ctx = (int)tbl[slot + 2];
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
@@ -918,12 +929,14 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
     att_split_range(p0 + m0 / G + 1, n_split, s, lo, unused);
     att_split_range(p0 + min(M - 1, m0 + ATT_TC_ROWS - 1) / G + 1, n_split, s, unused, hi);
     __syncthreads();
-    const int DH = D / 2, NJ = DH / 8, d0 = warp * DH;
+    const int DH = D / 2, NJ = DH / 8, d0 = (warp & 1) * DH;
     float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
     float acc[ATT_TC_MAXD / 16][4];
 #pragma unroll
     for (int j = 0; j < ATT_TC_MAXD / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    for (int kb = lo; kb < hi; kb += 16) {
+    int kb0 = lo;                                 // this group's first tile at or after lo
+    while (KG > 1 && (kb0 / 16) % KG != kg) kb0 += 16;
+    for (int kb = kb0; kb < hi; kb += 16 * KG) {
         // The tile's V values first: nothing they feed is known yet, so their loads fly while the
         // scores are computed (each lane: keys kb + 2c, +1, +8, +9 of dims d0 + 8j + g).
         const int k0 = kb + 2 * c;
@@ -1015,6 +1028,57 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
             }
         }
     }
+    if (KG > 1) {
+        if (kg > 0) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = g + 8 * i;
+#pragma unroll
+                for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
+                    if (j < NJ) {
+                        s_o[kg - 1][r][d0 + 8 * j + 2 * c] = acc[j][2 * i];
+                        s_o[kg - 1][r][d0 + 8 * j + 2 * c + 1] = acc[j][2 * i + 1];
+                    }
+                if ((warp & 1) == 0 && c == 0) {
+                    s_ml[kg - 1][r][0] = mrow[i];
+                    s_ml[kg - 1][r][1] = lrow[i];
+                }
+            }
+        }
+        __syncthreads();
+        if (kg > 0) return;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {            // group order: 0, then 1..; empty groups skipped
+            const int r = g + 8 * i;
+            float mg[KG], lg[KG];
+            mg[0] = mrow[i];
+            lg[0] = lrow[i];
+            for (int k = 1; k < KG; ++k) {
+                mg[k] = s_ml[k - 1][r][0];
+                lg[k] = s_ml[k - 1][r][1];
+            }
+            float Mx = NEG_INF;
+            for (int k = 0; k < KG; ++k)
+                if (lg[k] > 0.0f) Mx = fmaxf(Mx, mg[k]);
+            float f[KG], L = 0.0f;
+            for (int k = 0; k < KG; ++k) {
+                f[k] = lg[k] > 0.0f ? expf(mg[k] - Mx) : 0.0f;
+                if (lg[k] > 0.0f) L += lg[k] * f[k];
+            }
+#pragma unroll
+            for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
+                if (j < NJ)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float o = lg[0] > 0.0f ? acc[j][2 * i + e] * f[0] : 0.0f;
+                        for (int k = 1; k < KG; ++k)
+                            if (lg[k] > 0.0f) o += s_o[k - 1][r][d0 + 8 * j + 2 * c + e] * f[k];
+                        acc[j][2 * i + e] = o;
+                    }
+            mrow[i] = Mx;
+            lrow[i] = L;
+        }
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int m = m0 + g + 8 * i;
@@ -1034,6 +1098,13 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
         }
     }
 }
+#define ATT_TC_CALL q, params, tbl, slot, part_o, part_ml, H, Hkv, D, n_split, scale, T
+#define ATT_TC_ARGS                                                                                          \
+    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl, \
+        int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split, \
+        float scale, int T
+extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { TL_SCOPE; attn_partial_tc_impl<1>(ATT_TC_CALL); }
+extern "C" __global__ void __launch_bounds__(128) attn_partial_tc2(ATT_TC_ARGS) { TL_SCOPE; attn_partial_tc_impl<2>(ATT_TC_CALL); }
 
 // attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.

@@ -677,8 +677,9 @@ def test_attention_kernels(dev, n_past, tc):
     assert _rel(got, ref) <= 1e-3
 
 
+@pytest.mark.parametrize("kg", (1, 2))
 @pytest.mark.parametrize("n_past", (0, 250, 1000))
-def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
+def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past, kg):
     """attn_partial_tc puts 16 (row, head) pairs of a KV group in one MMA tile, rows of different
     positions (and, across a multiple of 256 keys, different split boundaries) side by side: each
     row must come out with the bits it gets alone at its position, as decode computes it, or
@@ -703,7 +704,7 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
         part_o = xp.full((n, H, ATT_SPLITS, D), np.nan, dtype=xp.float32)
         part_ml = xp.full((n, H, ATT_SPLITS, 2), np.nan, dtype=xp.float32)
         fg.op_attn_partial("p", xp.array(qh[rows]), params, tbl, 0, part_o, part_ml, H, Hkv, D, scale, n,
-                           tensor_cores=tc)()
+                           tensor_cores=tc, key_groups=kg)()
         return _h(xp, part_o), _h(xp, part_ml)
 
     wide_o, wide_ml = run(n_past, list(range(T)), True)
