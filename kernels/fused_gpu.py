@@ -47,10 +47,6 @@ ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial
 ATT_HEADS = (1, 2, 3, 4, 6)         # query heads a block of attn_partial can take (fused.cu attn_partial_g<R>)
 ATT_HEADS_DECODE = 1                # at most this many at T = 1, ATT_HEADS_WIDE at T > 1
 ATT_HEADS_WIDE = 3
-# attn_partial_tc for every width (decode and verify must agree): emulator-tested, its GPU run pending
-# (tests/bench/GPU_NOTES.md, tenth session); flip after the A/B on the GPU machine.
-ATT_TENSOR_CORES = False
-ATT_TC_KEY_GROUPS = 1               # attn_partial_tc (1) or attn_partial_tc2 (2 groups of warps over the key tiles)
 
 
 def attn_heads_per_block(group: int, T: int) -> int:
@@ -495,28 +491,11 @@ class FusedGpu:
         return Op(label, kern, (H + 2 * Hkv, T), (max(32, -(-D // 32) * 32),), args)
 
     def op_attn_partial(self, label: str, q, params, tbl, slot: int, part_o, part_ml, H: int, Hkv: int, D: int,
-                        scale: float, T: int, heads: int | None = None, tensor_cores: bool | None = None,
-                        key_groups: int | None = None) -> Op:
+                        scale: float, T: int, heads: int | None = None) -> Op:
         """Split-K attention of T rows over the cache; a block takes `heads` query heads of one KV
-        group (default attn_heads_per_block: the result's bits do not depend on it). tensor_cores
-        (default ATT_TENSOR_CORES where D allows): attn_partial_tc, blocks of 16 (row, head) pairs of
-        one KV group with the scores and outputs on tensor cores (other bits than attn_partial_g<R>,
-        so decode and verify must both take it, as they do through this default); key_groups (default
-        ATT_TC_KEY_GROUPS, 1 or 2): warps walking alternate key tiles, merged at the end (other bits again)."""
+        group (default attn_heads_per_block: the result's bits do not depend on it)."""
         if D % 8 or D > 256:
             raise ValueError(f"{label}: attention head size {D} (attn_partial takes multiples of 8 up to 256)")
-        if tensor_cores is None:
-            tensor_cores = ATT_TENSOR_CORES and D % 16 == 0
-        if tensor_cores:
-            if D % 16 or H % Hkv:
-                raise ValueError(f"{label}: attn_partial_tc takes head sizes that are multiples of 16, got {D}")
-            kg = ATT_TC_KEY_GROUPS if key_groups is None else key_groups
-            if kg not in (1, 2):
-                raise ValueError(f"{label}: attn_partial_tc takes 1 or 2 key groups, got {kg}")
-            kern = self._k("fused.cu", "attn_partial_tc" if kg == 1 else "attn_partial_tc2")
-            args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
-                    np.int32(ATT_SPLITS), np.float32(scale), np.int32(T))
-            return Op(label, kern, (ATT_SPLITS, Hkv, -(-(T * (H // Hkv)) // 16)), (64 * kg,), args)
         R = heads if heads is not None else attn_heads_per_block(H // Hkv, T)
         if R not in ATT_HEADS or H % Hkv or (H // Hkv) % R:
             raise ValueError(f"{label}: {R} heads a block for a group of {H}/{Hkv} heads")
