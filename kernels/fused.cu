@@ -688,11 +688,10 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 // (m, l) and the unnormalised o of the split. 128 threads, D <= 256, D % 8 == 0.
 //
 // A block takes R query heads of one KV group (attn_partial_g<R>, grid (n_split, H / R, T); R
-// divides H / Hkv): each key's K and V rows, loaded once into registers, serve all R heads. One
-// head a block re-read every key through L1 once per head of the group (ncu at T = 23: L1/TEX
-// throughput 88.5%, the kernel's limit). Each head's arithmetic is the same whatever R (the same
-// operations in the same order), so R may differ between launches (decode and verify) and the
-// rows stay bit-identical.
+// divides H / Hkv): each key's K and V rows, loaded once into registers, serve all R heads (one
+// head a block re-read every key once per head of the group). Each head's arithmetic is the same
+// whatever R (the same operations in the same order), so R may differ between launches (decode
+// and verify) and the rows stay bit-identical.
 #define ATT_WARPS 4
 #define ATT_KEYS 4
 #define ATT_MAX_SPLITS 16                        // fused_gpu.py ATT_SPLITS
@@ -834,8 +833,6 @@ __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, c
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g1(ATT_ARGS) { TL_SCOPE; attn_partial_impl<1>(ATT_CALL); }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g2(ATT_ARGS) { TL_SCOPE; attn_partial_impl<2>(ATT_CALL); }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g3(ATT_ARGS) { TL_SCOPE; attn_partial_impl<3>(ATT_CALL); }
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g4(ATT_ARGS) { TL_SCOPE; attn_partial_impl<4>(ATT_CALL); }
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g6(ATT_ARGS) { TL_SCOPE; attn_partial_impl<6>(ATT_CALL); }
 
 // attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.

@@ -44,17 +44,9 @@ GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r*: d_k <= GDN_PARTS * RPT
 GDN_CHUNK = 32                      # fused.cu GDN_CHUNK: tokens staged at once (at most)
 GDN_CONV_TOKENS = 4                 # gdn_conv: tokens a block computes in a verify step
 ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial (fused.cu ATT_MAX_SPLITS)
-ATT_HEADS = (1, 2, 3, 4, 6)         # query heads a block of attn_partial can take (fused.cu attn_partial_g<R>)
+ATT_HEADS = (1, 2, 3)               # query heads a block of attn_partial can take (fused.cu attn_partial_g<R>)
 ATT_HEADS_DECODE = 1                # at most this many at T = 1, ATT_HEADS_WIDE at T > 1
 ATT_HEADS_WIDE = 3
-
-
-def attn_heads_per_block(group: int, T: int) -> int:
-    """The query heads of one KV group an attn_partial block takes: each key's K and V rows then
-    serve that many heads from registers (wide steps were L1-bound re-reading them per head),
-    where fewer heads a block keeps more blocks for short launches."""
-    cap = ATT_HEADS_DECODE if T == 1 else ATT_HEADS_WIDE
-    return max(r for r in ATT_HEADS if r <= cap and group % r == 0)
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
@@ -69,6 +61,14 @@ MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 
 PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
 PREP_MAX_COLS = 1024                # prep_rows: columns one block writes at most (fused.cu)
+
+
+def attn_heads_per_block(group: int, T: int) -> int:
+    """The query heads of one KV group an attn_partial block takes: each key's K and V rows then
+    serve that many heads from registers (H200, 27B: verify W=23 up to 0.2 ms shorter with 3; 6 no
+    better), where decode keeps one a block for more blocks in its short launches."""
+    cap = ATT_HEADS_DECODE if T == 1 else ATT_HEADS_WIDE
+    return max(r for r in ATT_HEADS if r <= cap and group % r == 0)
 
 
 def prep_block_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int:

@@ -678,7 +678,7 @@ def test_attention_kernels(dev, n_past):
 
 @pytest.mark.parametrize("n_past", (0, 37, 300))
 def test_attention_heads_per_block_keep_the_bits(dev, n_past):
-    """attn_partial takes 1..6 query heads of a KV group a block (each key's K and V loaded once
+    """attn_partial takes 1..3 query heads of a KV group a block (each key's K and V loaded once
     for them all), and decode and verify may launch it with different counts: a head's partial
     (o, m, l) must be the same bits whatever the count, or verify rows would drift from decode."""
     name, d, fg = dev
@@ -691,12 +691,12 @@ def test_attention_heads_per_block_keep_the_bits(dev, n_past):
     tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
     params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
     outs = {}
-    for R in (1, 2, 3, 6):
+    for R in (1, 2, 3):
         part_o = xp.full((T, H, ATT_SPLITS, D), np.nan, dtype=xp.float32)
         part_ml = xp.full((T, H, ATT_SPLITS, 2), np.nan, dtype=xp.float32)
         fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T, heads=R)()
         outs[R] = (_h(xp, part_o), _h(xp, part_ml))
-    for R in (2, 3, 6):
+    for R in (2, 3):
         assert np.array_equal(outs[R][0], outs[1][0], equal_nan=True), f"{name}: o with {R} heads a block"
         assert np.array_equal(outs[R][1], outs[1][1], equal_nan=True), f"{name}: (m, l) with {R} heads a block"
     assert not np.isnan(outs[1][1]).any()
