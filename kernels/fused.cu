@@ -715,6 +715,13 @@ __device__ __forceinline__ void att_round_sums(float (&d)[ATT_KEYS], int lane, f
 #pragma unroll
     for (int u = 0; u < ATT_KEYS; ++u) d[u] = __uint_as_float(shfl(fs, 8 * u));
 }
+// Split s of a row with n_keys keys: [j0, j1), chunk = ceil(n_keys / n_split) rounded up to 16.
+__device__ __forceinline__ void att_split_range(int n_keys, int n_split, int s, int& j0, int& j1) {
+    int chunk = (n_keys + n_split - 1) / n_split;
+    chunk = (chunk + ATT_WARPS * ATT_KEYS - 1) / (ATT_WARPS * ATT_KEYS) * (ATT_WARPS * ATT_KEYS);
+    j0 = s * chunk;
+    j1 = min(j0 + chunk, n_keys);
+}
 template <int R>
 __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const int* __restrict__ params,
                                                   const unsigned long long* __restrict__ tbl, int slot,
@@ -731,9 +738,8 @@ __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, c
     const int ctx = (int)tbl[slot + 2];
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
     const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
-    int chunk = (n_keys + n_split - 1) / n_split;
-    chunk = (chunk + ATT_WARPS * ATT_KEYS - 1) / (ATT_WARPS * ATT_KEYS) * (ATT_WARPS * ATT_KEYS);
-    const int j0 = s * chunk, j1 = min(j0 + chunk, n_keys);
+    int j0, j1;
+    att_split_range(n_keys, n_split, s, j0, j1);
     // Lane L holds dims 8L .. 8L+7 (D % 8 == 0, D <= 256): a key's K and V rows are two 16-byte
     // loads per lane, and the ATT_KEYS keys of a round are all requested at once, K and V together
     // (V does not wait for the scores), so a round costs one memory latency.
@@ -833,6 +839,243 @@ __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, c
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g1(ATT_ARGS) { TL_SCOPE; attn_partial_impl<1>(ATT_CALL); }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g2(ATT_ARGS) { TL_SCOPE; attn_partial_impl<2>(ATT_CALL); }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g3(ATT_ARGS) { TL_SCOPE; attn_partial_impl<3>(ATT_CALL); }
+
+// attn_partial_tc: attn_partial's splits on tensor cores. A block (two warps) takes 16 rows of the
+// flat (row t, head g of KV group kvh) space, m = t * G + g (G = H / Hkv), and one split; grid
+// (n_split, Hkv, ceil(T * G / 16)). The split's keys go through shared memory in 16-key tiles, two
+// stages deep (K rows padded to D + 16 floats, V rows to D + 4: conflict-free fragment reads), each
+// row one bulk copy; the tiles wholly below n_past (rows no launch of this step writes) are requested
+// before the dependency wait. Per tile the scores S = Q K^T come from m16n8k16 MMAs, each warp
+// summing half of the k-steps (interleaved) and the two halves added through shared memory (S0 + S1,
+// the same bits in both warps), and O += P V from more, each warp keeping half of D in its
+// accumulators. A lane's k indices 2c, 2c+1, 2c+8, 2c+9 of a k-step are dims 4c .. 4c+3 (the same
+// for Q and K: any pairing sums the same products), so a lane reads its K values as one 16-byte load.
+// Every f32 operand (q, k, p, v) goes in as two f16 halves, x = hi + lo with lo = f16(x - hi), and
+// each product as hi*hi + hi*lo + lo*hi accumulated in f32: about 22 bits of each operand instead of
+// f16's 11 (f16 alone moved the attention weights by ~1e-3 relative). Per row the online softmax
+// runs over the same 16-key tiles (aligned: j0 is a multiple of 16) whatever rows share its block; a
+// tile where the row has no keys leaves it unchanged exactly (corr = 1, p = 0), and keys outside the
+// row's range score -inf (selected, so whatever the cache holds there). MMA outputs are independent
+// per row, so a row's bits do not depend on T (decode and verify rows stay equal). Rows past the
+// tile's last valid key are not copied: their V values are read as 0 (stale shared memory).
+// D % 16 == 0, D <= 256; |v| < 65504 (f16 range of the hi half).
+#define ATT_TC_ROWS 16
+#define ATT_TC_MAXD 256
+#define ATT_TC_S_LD 24          // the score halves' row stride in shared memory
+// (x, y) as an f16 pair (x in the low half), each rounded to nearest even: one cvt on CUDA.
+__device__ __forceinline__ u32 f2h2(float x, float y) {
+#if !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(y), "f"(x));
+    return d;
+#else
+    return (u32)f2h(x) | ((u32)f2h(y) << 16);
+#endif
+}
+__device__ __forceinline__ void hl_split(float x, float y, u32& hi, u32& lo) {
+    hi = f2h2(x, y);
+    lo = f2h2(x - h2f((u16)(hi & 0xffffu)), y - h2f((u16)(hi >> 16)));
+}
+// hi*hi + hi*lo + lo*hi into d (the fixed order every row gets)
+__device__ __forceinline__ void mma3(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], u32 bh0, u32 bh1,
+                                     u32 bl0, u32 bl1) {
+    mma16816(d, ah, bh0, bh1);
+    mma16816(d, ah, bl0, bl1);
+    mma16816(d, al, bh0, bh1);
+}
+extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
+    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
+    int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
+    float scale, int T) { TL_SCOPE;
+    __shared__ __align__(8) unsigned long long s_full[2];
+    DYN_SMEM(float, sm);        // K [2][16][D + 16], V [2][16][D + 4], score halves [2][16][ATT_TC_S_LD]
+    const int KLD = D + 16, VLD = D + 4;
+    float* sk = sm;
+    float* sv = sk + 2 * ATT_TC_ROWS * KLD;
+    float* ss = sv + 2 * ATT_TC_ROWS * VLD;
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
+    const int s = blockIdx.x, kvh = blockIdx.y, m0 = blockIdx.z * ATT_TC_ROWS;
+    const int G = H / Hkv, M = T * G;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int p0 = params[0];
+    const int ctx = (int)tbl[slot + 2];
+    const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
+    const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
+    // This lane's rows g and g + 8 and their keys in split s; the block walks the union of its rows'
+    // ranges (the rows' t grow with m, and so do their ranges' ends).
+    int j0r[2], j1r[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int m = m0 + g + 8 * i;
+        if (m < M) att_split_range(p0 + m / G + 1, n_split, s, j0r[i], j1r[i]);
+        else j0r[i] = j1r[i] = 0;
+    }
+    int lo, hi, unused;
+    att_split_range(p0 + m0 / G + 1, n_split, s, lo, unused);
+    att_split_range(p0 + min(M - 1, m0 + ATT_TC_ROWS - 1) / G + 1, n_split, s, unused, hi);
+    const int n_tiles = hi > lo ? (hi - lo + 15) / 16 : 0;
+    // warp 0 requests tile i into stage i & 1: its valid K and V rows, one bulk copy each
+    auto issue = [&](int i) {
+        const int kb = lo + 16 * i, st = i & 1, nrow = min(16, hi - kb);
+        if (lane == 0) mbar_expect(&s_full[st], 2u * (unsigned)(nrow * D) * 4u);
+        warp_sync();
+        for (int r = 0; r < nrow; ++r) {
+            stage_copy(sk + (st * ATT_TC_ROWS + r) * KLD, kc + (size_t)(kb + r) * D, (unsigned)D * 4u, &s_full[st], lane);
+            stage_copy(sv + (st * ATT_TC_ROWS + r) * VLD, vc + (size_t)(kb + r) * D, (unsigned)D * 4u, &s_full[st], lane);
+        }
+    };
+    int issued = 0;             // warp 0: tiles requested so far (the first two, in order)
+    if (warp == 0) {
+        if (lane == 0) {
+            mbar_init(&s_full[0], 1);
+            mbar_init(&s_full[1], 1);
+        }
+        warp_sync();
+        while (issued < min(2, n_tiles) && lo + 16 * (issued + 1) <= p0) issue(issued++);
+    }
+    grid_dependency_wait();
+    if (warp == 0)
+        while (issued < min(2, n_tiles)) issue(issued++);
+    // This warp's q fragments: k-steps ks = warp + 2u; rows g and g + 8; dims 16 ks + 4c .. + 3.
+    const int NKS = D / 16;
+    u32 qh[ATT_TC_MAXD / 32][4], ql[ATT_TC_MAXD / 32][4];
+    {
+        float4 qv[ATT_TC_MAXD / 32][2];
+#pragma unroll
+        for (int u = 0; u < ATT_TC_MAXD / 32; ++u) {
+            const int ks = warp + 2 * u;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int m = m0 + g + 8 * i;
+                qv[u][i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (ks < NKS && m < M) {
+                    const int t = m / G, h = kvh * G + (m - t * G);
+                    qv[u][i] = *(const float4*)(q + ((size_t)t * H + h) * D + 16 * ks + 4 * c);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_TC_MAXD / 32; ++u)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                hl_split(qv[u][i].x, qv[u][i].y, qh[u][i], ql[u][i]);
+                hl_split(qv[u][i].z, qv[u][i].w, qh[u][2 + i], ql[u][2 + i]);
+            }
+    }
+    __syncthreads();            // the barriers' initialisation, seen by warp 1 before it waits
+    const int DH = D / 2, NJ = DH / 8, d0 = warp * DH;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    float acc[ATT_TC_MAXD / 16][4];
+#pragma unroll
+    for (int j = 0; j < ATT_TC_MAXD / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int i = 0; i < n_tiles; ++i) {
+        const int kb = lo + 16 * i, st = i & 1;
+        const float* tk = sk + st * ATT_TC_ROWS * KLD;
+        const float* tv = sv + st * ATT_TC_ROWS * VLD;
+        mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
+        // this warp's half of the scores: sc[nt][e] = row g + 8 (e >> 1), key kb + 8 nt + 2c + (e & 1)
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int u = 0; u < ATT_TC_MAXD / 32; ++u) {
+            const int ks = warp + 2 * u;
+            if (ks < NKS) {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const float4 kv = *(const float4*)(tk + (8 * nt + g) * KLD + 16 * ks + 4 * c);
+                    u32 bh0, bl0, bh1, bl1;
+                    hl_split(kv.x, kv.y, bh0, bl0);
+                    hl_split(kv.z, kv.w, bh1, bl1);
+                    mma3(sc[nt], qh[u], ql[u], bh0, bh1, bl0, bl1);
+                }
+            }
+        }
+        float* my = ss + warp * ATT_TC_ROWS * ATT_TC_S_LD;
+        const float* other = ss + (warp ^ 1) * ATT_TC_ROWS * ATT_TC_S_LD;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i2 = 0; i2 < 2; ++i2)
+                *(float2*)(my + (g + 8 * i2) * ATT_TC_S_LD + 8 * nt + 2 * c) = make_float2(sc[nt][2 * i2], sc[nt][2 * i2 + 1]);
+        __syncthreads();
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i2 = e >> 1, col = 8 * nt + 2 * c + (e & 1), key = kb + col;
+                const float tot = sc[nt][e] + other[(g + 8 * i2) * ATT_TC_S_LD + col];   // S0 + S1 = S1 + S0
+                const float v = (key >= j0r[i2] && key < j1r[i2]) ? tot * scale : NEG_INF;
+                sc[nt][e] = v;
+                mx[i2] = fmaxf(mx[i2], v);
+            }
+        float mn[2], corr[2];
+#pragma unroll
+        for (int i2 = 0; i2 < 2; ++i2) {
+            mx[i2] = fmaxf(mx[i2], shfl_xor(mx[i2], 1));
+            mx[i2] = fmaxf(mx[i2], shfl_xor(mx[i2], 2));
+            mn[i2] = fmaxf(mrow[i2], mx[i2]);
+            corr[i2] = mn[i2] == NEG_INF ? 1.0f : expf(mrow[i2] - mn[i2]);
+        }
+        float p[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[nt][e] = sc[nt][e] == NEG_INF ? 0.0f : expf(sc[nt][e] - mn[e >> 1]);
+#pragma unroll
+        for (int i2 = 0; i2 < 2; ++i2) {
+            float ps = (p[0][2 * i2] + p[0][2 * i2 + 1]) + (p[1][2 * i2] + p[1][2 * i2 + 1]);
+            ps += shfl_xor(ps, 1);
+            ps += shfl_xor(ps, 2);
+            lrow[i2] = lrow[i2] * corr[i2] + ps;
+            mrow[i2] = mn[i2];
+        }
+        // P as the A fragments of P V: the scores' C layout is the A layout of a 16-key k-step
+        u32 ph[4], pl[4];
+        hl_split(p[0][0], p[0][1], ph[0], pl[0]);
+        hl_split(p[0][2], p[0][3], ph[1], pl[1]);
+        hl_split(p[1][0], p[1][1], ph[2], pl[2]);
+        hl_split(p[1][2], p[1][3], ph[3], pl[3]);
+        // V of keys kb + 2c, +1, +8, +9 (rows past the tile's valid keys were not copied: 0)
+        const int r0 = 2 * c;
+        const bool ok0 = kb + r0 < hi, ok1 = kb + r0 + 1 < hi, ok8 = kb + r0 + 8 < hi, ok9 = kb + r0 + 9 < hi;
+#pragma unroll
+        for (int j = 0; j < ATT_TC_MAXD / 16; ++j) {
+            if (j < NJ) {
+                const float* vcol = tv + d0 + 8 * j + g;
+                const float v0 = ok0 ? vcol[r0 * VLD] : 0.0f, v1 = ok1 ? vcol[(r0 + 1) * VLD] : 0.0f;
+                const float v8 = ok8 ? vcol[(r0 + 8) * VLD] : 0.0f, v9 = ok9 ? vcol[(r0 + 9) * VLD] : 0.0f;
+                acc[j][0] *= corr[0];
+                acc[j][1] *= corr[0];
+                acc[j][2] *= corr[1];
+                acc[j][3] *= corr[1];
+                u32 bh0, bl0, bh1, bl1;
+                hl_split(v0, v1, bh0, bl0);
+                hl_split(v8, v9, bh1, bl1);
+                mma3(acc[j], ph, pl, bh0, bh1, bl0, bl1);
+            }
+        }
+        __syncthreads();        // both warps are done with the stage and the score halves
+        if (warp == 0 && i + 2 < n_tiles) issue(i + 2);
+    }
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+        const int m = m0 + g + 8 * i2;
+        if (m >= M) continue;
+        const int t = m / G, h = kvh * G + (m - t * G);
+        const size_t slot_i = ((size_t)t * H + h) * n_split + s;
+#pragma unroll
+        for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
+            if (j < NJ) {
+                float* o = part_o + slot_i * D + d0 + 8 * j + 2 * c;
+                o[0] = acc[j][2 * i2];
+                o[1] = acc[j][2 * i2 + 1];
+            }
+        if (warp == 0 && c == 0) {
+            part_ml[slot_i * 2] = lrow[i2] > 0.0f ? mrow[i2] : NEG_INF;
+            part_ml[slot_i * 2 + 1] = lrow[i2];
+        }
+    }
+}
 
 // attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.

@@ -47,6 +47,11 @@ ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial
 ATT_HEADS = (1, 2, 3)               # query heads a block of attn_partial can take (fused.cu attn_partial_g<R>)
 ATT_HEADS_DECODE = 1                # at most this many at T = 1, ATT_HEADS_WIDE at T > 1
 ATT_HEADS_WIDE = 3
+# attn_partial_tc for every width (decode and verify must agree) when True. Off: measured on the H200
+# (tests/bench/GPU_NOTES.md, eleventh session) verify W=16-32 runs 0.25-0.5 ms faster with it but decode
+# 0.19 ms slower at 512 keys and 0.9 / 3.6 ms slower at 4K / 16K (two warps a block, tiles in series).
+ATT_TENSOR_CORES = False
+ATT_TC_S_LD = 24                    # fused.cu ATT_TC_S_LD: the score halves' row stride
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
@@ -491,11 +496,26 @@ class FusedGpu:
         return Op(label, kern, (H + 2 * Hkv, T), (max(32, -(-D // 32) * 32),), args)
 
     def op_attn_partial(self, label: str, q, params, tbl, slot: int, part_o, part_ml, H: int, Hkv: int, D: int,
-                        scale: float, T: int, heads: int | None = None) -> Op:
+                        scale: float, T: int, heads: int | None = None, tensor_cores: bool | None = None) -> Op:
         """Split-K attention of T rows over the cache; a block takes `heads` query heads of one KV
-        group (default attn_heads_per_block: the result's bits do not depend on it)."""
+        group (default attn_heads_per_block: the result's bits do not depend on it). tensor_cores
+        (default ATT_TENSOR_CORES where D allows): attn_partial_tc, blocks of 16 (row, head) pairs of
+        one KV group with the scores and outputs on tensor cores and the keys staged in shared memory
+        (other bits than attn_partial_g<R>, so decode and verify must both take it, as they do through
+        this default)."""
         if D % 8 or D > 256:
             raise ValueError(f"{label}: attention head size {D} (attn_partial takes multiples of 8 up to 256)")
+        if tensor_cores is None:
+            tensor_cores = ATT_TENSOR_CORES and D % 16 == 0
+        if tensor_cores:
+            if D % 16 or H % Hkv:
+                raise ValueError(f"{label}: attn_partial_tc takes head sizes that are multiples of 16, got {D}")
+            kern = self._k("fused.cu", "attn_partial_tc")
+            smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)    # fused.cu: K, V stages, score halves
+            self._smem(kern, smem)
+            args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
+                    np.int32(ATT_SPLITS), np.float32(scale), np.int32(T))
+            return Op(label, kern, (ATT_SPLITS, Hkv, -(-(T * (H // Hkv)) // 16)), (64,), args, smem)
         R = heads if heads is not None else attn_heads_per_block(H // Hkv, T)
         if R not in ATT_HEADS or H % Hkv or (H // Hkv) % R:
             raise ValueError(f"{label}: {R} heads a block for a group of {H}/{Hkv} heads")

@@ -642,8 +642,9 @@ def test_deltanet_gated_norm_prep(dev):
     assert not _h(xp, z_fx).any()
 
 
+@pytest.mark.parametrize("tc", (False, True), ids=("fma", "tc"))
 @pytest.mark.parametrize("n_past", (0, 5, 300, 1100))
-def test_attention_kernels(dev, n_past):
+def test_attention_kernels(dev, n_past, tc):
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(n_past)
@@ -670,10 +671,52 @@ def test_attention_kernels(dev, n_past):
     fg.op_attn_qk_rope_kv("a", qgd, xp.array(k), xp.array(v), xp.array(qn), xp.array(kn), 1e-6, params, tbl,
                           0, qrot, H, Hkv, D, n_rot, theta, T)()
     assert _rel(_h(xp, kc), kc_ref) <= 1e-5 and _rel(_h(xp, vc), vc_ref) == 0.0
-    fg.op_attn_partial("p", qrot, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T)()
+    fg.op_attn_partial("p", qrot, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T, tensor_cores=tc)()
     fg.op_attn_combine_prep("c", part_o, part_ml, qgd, H, D, act, T)()
     got = fused_ref.act_values(act.read_rows(T)[0], H * D)
     assert _rel(got, ref) <= 1e-3
+
+
+@pytest.mark.parametrize("n_past", (0, 250, 1000))
+def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
+    """attn_partial_tc puts 16 (row, head) pairs of a KV group in one MMA tile, rows of different
+    positions (and, across a multiple of 256 keys, different split boundaries) side by side: each
+    row must come out with the bits it gets alone at its position, as decode computes it, or
+    speculative verify would drift from greedy decoding. Also close to the FMA kernel (operands
+    split into two f16 halves: ~f32 accuracy)."""
+    name, d, fg = dev
+    xp = fg.xp
+    if name == "emu" and n_past > 300:
+        pytest.skip("long contexts on the GPU only (emulator time)")
+    rng = np.random.default_rng(n_past + 7)
+    T, H, Hkv, D = 8, 12, 2, 64
+    ctx = n_past + T + 8
+    qh = rng.standard_normal((T, H, D)).astype(np.float32)
+    kc = xp.array(rng.standard_normal((Hkv, ctx, D)).astype(np.float32))
+    vc = xp.array((3 * rng.standard_normal((Hkv, ctx, D))).astype(np.float32))
+    tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
+    scale = 1.0 / np.sqrt(D)
+
+    def run(n0, rows, tc):
+        params = xp.array(np.array([n0, 0] + [0] * 32, dtype=np.int32))
+        n = len(rows)
+        part_o = xp.full((n, H, ATT_SPLITS, D), np.nan, dtype=xp.float32)
+        part_ml = xp.full((n, H, ATT_SPLITS, 2), np.nan, dtype=xp.float32)
+        fg.op_attn_partial("p", xp.array(qh[rows]), params, tbl, 0, part_o, part_ml, H, Hkv, D, scale, n,
+                           tensor_cores=tc)()
+        return _h(xp, part_o), _h(xp, part_ml)
+
+    wide_o, wide_ml = run(n_past, list(range(T)), True)
+    for t in (0, 3, T - 1):
+        one_o, one_ml = run(n_past + t, [t], True)
+        assert np.array_equal(one_o[0], wide_o[t], equal_nan=True), f"{name}: row {t} o differs from its decode"
+        assert np.array_equal(one_ml[0], wide_ml[t], equal_nan=True), f"{name}: row {t} (m, l) differs"
+    ref_o, ref_ml = run(n_past, list(range(T)), False)
+    live = ref_ml[..., 1] > 0
+    assert np.array_equal(live, wide_ml[..., 1] > 0)
+    assert np.abs(wide_ml[..., 0][live] - ref_ml[..., 0][live]).max() <= 1e-5
+    assert _rel(wide_ml[..., 1][live], ref_ml[..., 1][live]) <= 1e-5
+    assert _rel(wide_o[live], ref_o[live]) <= 1e-5
 
 
 @pytest.mark.parametrize("n_past", (0, 37, 300))

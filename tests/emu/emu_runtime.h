@@ -26,6 +26,7 @@ struct uint2 { unsigned int x, y; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return float2{a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct alignas(16) longlong2 { long long x, y; };
 inline longlong2 make_longlong2(long long a, long long b) { return longlong2{a, b}; }
