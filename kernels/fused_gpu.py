@@ -509,7 +509,8 @@ class FusedGpu:
             tensor_cores = ATT_TENSOR_CORES and D % 16 == 0
         if tensor_cores:
             if D % 16 or H % Hkv:
-                raise ValueError(f"{label}: attn_partial_tc takes head sizes that are multiples of 16, got {D}")
+                raise ValueError(f"{label}: attn_partial_tc takes head sizes that are multiples of 16 and whole KV "
+                                 f"groups, got D={D}, H={H}, Hkv={Hkv}")
             kern = self._k("fused.cu", "attn_partial_tc")
             smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)    # fused.cu: K, V stages, score halves
             self._smem(kern, smem)
