@@ -533,7 +533,7 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
     # device time of the decode graph alone (behind a busy-wait, so the host's launch is hidden)
     s3 = context.copy()
     step._bind(s3)
-    key = (1, "advance", "last", ())
+    key = step.plan_key(1, "advance", "last", s3.n_past + 1)
     graph_ms = []
     for _ in range(7):
         dev, _, _ = timer(lambda: step._launch(key, None), cover_s=2e-3)
@@ -546,7 +546,7 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
     for wdt in widths:
         s2.copy_from(context)
         model.verify(rng.integers(0, n_vocab, size=wdt).tolist(), s2, logits="argmax")   # uploads the params
-        vkey = (wdt, "verify", "all", ())
+        vkey = step.plan_key(wdt, "verify", "all", context.n_past + wdt)
         reps = []
         for _ in range(5):
             dev, _, _ = timer(lambda: step._launch(vkey, None), cover_s=2e-3)
@@ -557,7 +557,7 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
 
     ops_rows, per_op_sum = [], float("nan")
     if profile:
-        ops = step.ops_for(1, "advance", "last")
+        ops = step.ops_for(1, "advance", "last", n_keys=context.n_past + 1)
         s4 = context.copy()
         step._bind(s4)
         start_evs = [cp.cuda.Event() for _ in ops]

@@ -20,9 +20,11 @@ layer parity's qkv and alpha | beta (two buffers of each: a verify's conv blocks
 then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on
 the device for `topk_row`, so that only the candidates the sampler needs cross to the host).
 Matrices of one launch share a type; a layer whose fused projections have two types (llama.cpp's
-Q4_K_M gives attn_qkv Q6_K in some layers) takes two launches. The launch list for each (T, mode, logits, captured layers) is built once and captured
-as a CUDA graph; a step then writes the params block (position, token ids), rebinds the state table
-if the state changed, launches the graph and reads back token ids (and logits only when asked).
+Q4_K_M gives attn_qkv Q6_K in some layers) takes two launches. The launch list for each (T, mode,
+logits, captured layers, attention key splits) is built once and captured as a CUDA graph (the
+splits grow in powers of two with the context: `plan_key`); a step then writes the params block
+(position, token ids), rebinds the state table if the state changed, launches the graph and reads
+back token ids (and logits only when asked).
 
 A forward of `backend.wide_batch_min` tokens or more (a prefill chunk) does not use the step:
 daemons/qwen35.py runs it through the backend operations, whose matrix products are then cuBLAS
@@ -56,7 +58,7 @@ from typing import Any, Collection, Sequence
 import numpy as np
 
 from kernels.fused_gpu import (GDN_CONV_TOKENS, MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX, ActBuffer, FusedGpu,
-                               MmWorkspace, Op, TcWeight)
+                               MmWorkspace, Op, TcWeight, att_launch_splits)
 
 __all__ = ["Qwen35GpuStep", "GpuVerifyRecord", "step_supported"]
 
@@ -138,13 +140,14 @@ class Qwen35GpuStep:
             self.rec_in = {il: xp.zeros((MAX_T, self.R), dtype=f32) for il in self.dn_layers}
             self.bak = {il: xp.zeros((self.nv, self.dk, self.dv), dtype=f32) for il in self.dn_layers}
         if self.attn_layers:
-            from kernels.fused_gpu import ATT_SPLITS
+            from kernels.fused_gpu import ATT_MAX_SPLITS
+            self.att_tc = self.fg.att_tensor_cores(self.D)      # the family decode and verify both take
             self.qg = xp.zeros((MAX_T, 2 * self.H * self.D), dtype=f32)
             self.kb = xp.zeros((MAX_T, self.Hkv * self.D), dtype=f32)
             self.vb = xp.zeros((MAX_T, self.Hkv * self.D), dtype=f32)
             self.qrot = xp.zeros((MAX_T, self.H, self.D), dtype=f32)
-            self.part_o = xp.zeros((MAX_T, self.H, ATT_SPLITS, self.D), dtype=f32)
-            self.part_ml = xp.zeros((MAX_T, self.H, ATT_SPLITS, 2), dtype=f32)
+            self.part_o = xp.zeros((MAX_T, self.H, ATT_MAX_SPLITS, self.D), dtype=f32)
+            self.part_ml = xp.zeros((MAX_T, self.H, ATT_MAX_SPLITS, 2), dtype=f32)
         self.logits = xp.zeros((MAX_T, self.V), dtype=f32)
         self.ids_out = xp.zeros(MAX_T, dtype=xp.int32)
         # top-k of the last row, one buffer so that one copy brings it to the host:
@@ -247,7 +250,7 @@ class Qwen35GpuStep:
             dst.set(host)
 
     # -- plans ----------------------------------------------------------------------------------
-    def _plan(self, T: int, mode: str, logits: str, capture: tuple[int, ...]) -> list[Op]:
+    def _plan(self, T: int, mode: str, logits: str, capture: tuple[int, ...], splits: int = 0) -> list[Op]:
         m, hp, fg, xp = self.model, self.hp, self.fg, self.xp
         eps, d = hp.rms_eps, self.d
         ops: list[Any] = []
@@ -302,9 +305,10 @@ class Qwen35GpuStep:
                                                  mx.k_norm, eps, self.params, tbl, slot, self.qrot, H, Hkv, D,
                                                  hp.n_rot, hp.rope_theta, T))
                 ops.append(fg.op_attn_partial(p + "attn_partial", self.qrot, self.params, tbl, slot, self.part_o,
-                                              self.part_ml, H, Hkv, D, 1.0 / math.sqrt(D), T))
+                                              self.part_ml, H, Hkv, D, 1.0 / math.sqrt(D), T,
+                                              tensor_cores=self.att_tc, splits=splits))
                 ops.append(fg.op_attn_combine_prep(p + "attn_combine_prep", self.part_o, self.part_ml, self.qg, H, D,
-                                                   self.act_attn, T))
+                                                   self.act_attn, T, splits))
                 ops.append(fg.op_mm(p + "mm attn_output " + mx.wo.type_name, [(mx.wo, res.add(), 0, d)],
                                     self.act_attn, T, MODE_ADD, ws))
             ops.append(prep(p + "post_norm", layer.post_norm))
@@ -352,10 +356,23 @@ class Qwen35GpuStep:
             entry = self._plans[key] = (ops, graph)
         return entry
 
-    def ops_for(self, T: int, mode: str = "advance", logits: str = "last", capture: Collection[int] = ()) -> list[Op]:
-        """The launch list of a step (benchmarks time each launch of it)."""
+    def plan_key(self, T: int, mode: str, logits: str, n_keys: int, capture: Collection[int] = ()) -> tuple:
+        """The plan (captured graph) of a T-token step whose longest row attends to n_keys keys:
+        attention launches as many key splits as that row takes (att_launch_splits), so a growing
+        context moves to another graph at each doubling of the splits."""
         cap = tuple(sorted(int(i) for i in capture))
-        return self._runner((T, mode, logits, cap), lambda: self._plan(T, mode, logits, cap))[0]
+        splits = att_launch_splits(n_keys, self.att_tc) if self.attn_layers else 0
+        return (T, mode, logits, cap, splits)
+
+    def _build(self, key: tuple):
+        T, mode, logits, cap, splits = key
+        return lambda: self._plan(T, mode, logits, cap, splits)
+
+    def ops_for(self, T: int, mode: str = "advance", logits: str = "last", capture: Collection[int] = (),
+                n_keys: int = 1) -> list[Op]:
+        """The launch list of a step (benchmarks time each launch of it)."""
+        key = self.plan_key(T, mode, logits, n_keys, capture)
+        return self._runner(key, self._build(key))[0]
 
     def _launch(self, key: tuple, build) -> None:
         ops, graph = self._runner(key, build)
@@ -388,8 +405,8 @@ class Qwen35GpuStep:
         ph[1] = 0
         ph[2:2 + T] = np.asarray(ids, dtype=np.int64)
         self._upload(self.params, ph)
-        key = (T, mode, plan_logits, cap)
-        self._launch(key, lambda: self._plan(T, mode, plan_logits, cap))
+        key = self.plan_key(T, mode, plan_logits, state.n_past + T, cap)
+        self._launch(key, self._build(key))
         state.n_past += T
         out = None
         n_rows = 1 if plan_logits == "last" else T

@@ -681,20 +681,26 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 }
 
 // ---------------------------------------------------------------------------------------------
-// attn_partial. Row t (position p = params[0] + t) attends to cache rows 0..p. Split s of n_split
-// covers rows [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 16: a
-// function of p only. Inside a split, warp w takes rows 4w.., 4 at a time (independent dot
+// attn_partial. Row t (position p = params[0] + t) attends to cache rows 0..p. Its n_split =
+// clamp(ceil((p+1) / ATT_SPLIT_KEYS), ATT_MIN_SPLITS, split_cap) splits (split_cap: 16 for these
+// kernels, ATT_MAX_SPLITS for the tensor-core ones, whose blocks walk a split in series) cover rows
+// [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 16: a function of p
+// (and the kernel family) only, so a launch's grid may hold more splits than its rows use (a split
+// past a row's n_split is empty: l = 0). Partials live at [t][h][s] with a stride of
+// ATT_MAX_SPLITS, whatever the grid. Inside a split, warp w takes rows 4w.., 4 at a time (independent dot
 // products in flight), then 16 further; online softmax per warp, the warps merged in order. Writes
 // (m, l) and the unnormalised o of the split. 128 threads, D <= 256, D % 8 == 0.
 //
-// A block takes R query heads of one KV group (attn_partial_g<R>, grid (n_split, H / R, T); R
+// A block takes R query heads of one KV group (attn_partial_g<R>, grid (splits, H / R, T); R
 // divides H / Hkv): each key's K and V rows, loaded once into registers, serve all R heads (one
 // head a block re-read every key once per head of the group). Each head's arithmetic is the same
 // whatever R (the same operations in the same order), so R may differ between launches (decode
 // and verify) and the rows stay bit-identical.
 #define ATT_WARPS 4
 #define ATT_KEYS 4
-#define ATT_MAX_SPLITS 16                        // fused_gpu.py ATT_SPLITS
+#define ATT_MIN_SPLITS 16                        // fused_gpu.py: the same names
+#define ATT_MAX_SPLITS 128
+#define ATT_SPLIT_KEYS 128
 // The round's 4 dot products summed over the warp's 32 lanes, into every lane (times scale), in 10
 // shuffles instead of 4 x 5: the lanes first trade halves of their 4 partials (xor 16: keys 0,1 |
 // 2,3; xor 8: one key each), so that lane L ends with the whole sum of key 2 (L >> 4 & 1) + (L >> 3
@@ -715,8 +721,12 @@ __device__ __forceinline__ void att_round_sums(float (&d)[ATT_KEYS], int lane, f
 #pragma unroll
     for (int u = 0; u < ATT_KEYS; ++u) d[u] = __uint_as_float(shfl(fs, 8 * u));
 }
-// Split s of a row with n_keys keys: [j0, j1), chunk = ceil(n_keys / n_split) rounded up to 16.
-__device__ __forceinline__ void att_split_range(int n_keys, int n_split, int s, int& j0, int& j1) {
+// Split s of a row with n_keys keys: [j0, j1), chunk = ceil(n_keys / n_split) rounded up to 16,
+// n_split = clamp(ceil(n_keys / ATT_SPLIT_KEYS), ATT_MIN_SPLITS, split_cap). chunk and j1 grow with
+// n_keys (rows of one block cover the union [first row's j0, last row's j1)); from 2049 keys below
+// the cap chunk is ATT_SPLIT_KEYS.
+__device__ __forceinline__ void att_split_range(int n_keys, int split_cap, int s, int& j0, int& j1) {
+    const int n_split = min(split_cap, max(ATT_MIN_SPLITS, (n_keys + ATT_SPLIT_KEYS - 1) / ATT_SPLIT_KEYS));
     int chunk = (n_keys + n_split - 1) / n_split;
     chunk = (chunk + ATT_WARPS * ATT_KEYS - 1) / (ATT_WARPS * ATT_KEYS) * (ATT_WARPS * ATT_KEYS);
     j0 = s * chunk;
@@ -726,7 +736,7 @@ template <int R>
 __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, const int* __restrict__ params,
                                                   const unsigned long long* __restrict__ tbl, int slot,
                                                   float* __restrict__ part_o, float* __restrict__ part_ml, int H,
-                                                  int Hkv, int D, int n_split, float scale) {
+                                                  int Hkv, int D, int split_cap, float scale) {
     __shared__ float s_m[R][ATT_WARPS], s_l[R][ATT_WARPS];
     __shared__ float s_o[R][ATT_WARPS][256];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
@@ -739,7 +749,7 @@ __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, c
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
     const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
     int j0, j1;
-    att_split_range(n_keys, n_split, s, j0, j1);
+    att_split_range(n_keys, split_cap, s, j0, j1);
     // Lane L holds dims 8L .. 8L+7 (D % 8 == 0, D <= 256): a key's K and V rows are two 16-byte
     // loads per lane, and the ATT_KEYS keys of a round are all requested at once, K and V together
     // (V does not wait for the scores), so a round costs one memory latency.
@@ -815,7 +825,7 @@ __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, c
         float M = NEG_INF;
         for (int w = 0; w < ATT_WARPS; ++w)
             if (s_l[r][w] > 0.0f) M = fmaxf(M, s_m[r][w]);
-        const size_t slot_i = ((size_t)t * H + h0 + r) * n_split + s;
+        const size_t slot_i = ((size_t)t * H + h0 + r) * ATT_MAX_SPLITS + s;
         for (int d = threadIdx.x; d < D; d += blockDim.x) {
             float o = 0.0f;
             for (int w = 0; w < ATT_WARPS; ++w)
@@ -833,16 +843,16 @@ __device__ __forceinline__ void attn_partial_impl(const float* __restrict__ q, c
 }
 #define ATT_ARGS                                                                                                   \
     const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,      \
-        int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,    \
+        int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int split_cap,  \
         float scale
-#define ATT_CALL q, params, tbl, slot, part_o, part_ml, H, Hkv, D, n_split, scale
+#define ATT_CALL q, params, tbl, slot, part_o, part_ml, H, Hkv, D, split_cap, scale
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g1(ATT_ARGS) { TL_SCOPE; attn_partial_impl<1>(ATT_CALL); }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g2(ATT_ARGS) { TL_SCOPE; attn_partial_impl<2>(ATT_CALL); }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attn_partial_g3(ATT_ARGS) { TL_SCOPE; attn_partial_impl<3>(ATT_CALL); }
 
 // attn_partial_tc: attn_partial's splits on tensor cores. A block (two warps) takes 16 rows of the
 // flat (row t, head g of KV group kvh) space, m = t * G + g (G = H / Hkv), and one split; grid
-// (n_split, Hkv, ceil(T * G / 16)). The split's keys go through shared memory in 16-key tiles, two
+// (splits, Hkv, ceil(T * G / 16)). The split's keys go through shared memory in 16-key tiles, two
 // stages deep (K rows padded to D + 16 floats, V rows to D + 4: conflict-free fragment reads), each
 // row one bulk copy; the tiles wholly below n_past (rows no launch of this step writes) are requested
 // before the dependency wait. Per tile the scores S = Q K^T come from m16n8k16 MMAs, each warp
@@ -883,10 +893,154 @@ __device__ __forceinline__ void mma3(float (&d)[4], const u32 (&ah)[4], const u3
     mma16816(d, ah, bl0, bl1);
     mma16816(d, al, bh0, bh1);
 }
-extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
-    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl,
-    int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D, int n_split,
-    float scale, int T) { TL_SCOPE;
+// The pieces of a tile both tensor-core kernels share, so that a row's operations are the same ones
+// whichever kernel runs it (attn_partial_tc for verify, attn_partial_tcd for decode).
+// This lane's q fragments of one half of the score k-steps (ks = half + 2u): rows m0 + g, m0 + g + 8,
+// dims 16 ks + 4c .. + 3, as hi / lo f16 pairs.
+__device__ __forceinline__ void tc_load_q(u32 (&qh)[ATT_TC_MAXD / 32][4], u32 (&ql)[ATT_TC_MAXD / 32][4],
+                                          const float* __restrict__ q, int m0, int M, int G, int H, int kvh, int D,
+                                          int half, int g, int c) {
+    float4 qv[ATT_TC_MAXD / 32][2];
+#pragma unroll
+    for (int u = 0; u < ATT_TC_MAXD / 32; ++u) {
+        const int ks = half + 2 * u;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int m = m0 + g + 8 * i;
+            qv[u][i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (ks < D / 16 && m < M) {
+                const int t = m / G, h = kvh * G + (m - t * G);
+                qv[u][i] = *(const float4*)(q + ((size_t)t * H + h) * D + 16 * ks + 4 * c);
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_TC_MAXD / 32; ++u)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            hl_split(qv[u][i].x, qv[u][i].y, qh[u][i], ql[u][i]);
+            hl_split(qv[u][i].z, qv[u][i].w, qh[u][2 + i], ql[u][2 + i]);
+        }
+}
+// One half of a tile's scores: sc[nt][e] = row g + 8 (e >> 1), key 8 nt + 2c + (e & 1) of the tile
+// whose K rows are tk (stride KLD), summed over the k-steps ks = half + 2u.
+__device__ __forceinline__ void tc_scores_half(float (&sc)[2][4], const float* tk, int KLD, int half, int D,
+                                               const u32 (&qh)[ATT_TC_MAXD / 32][4],
+                                               const u32 (&ql)[ATT_TC_MAXD / 32][4], int g, int c) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ATT_TC_MAXD / 32; ++u) {
+        const int ks = half + 2 * u;
+        if (ks < D / 16) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const float4 kv = *(const float4*)(tk + (8 * nt + g) * KLD + 16 * ks + 4 * c);
+                u32 bh0, bl0, bh1, bl1;
+                hl_split(kv.x, kv.y, bh0, bl0);
+                hl_split(kv.z, kv.w, bh1, bl1);
+                mma3(sc[nt], qh[u], ql[u], bh0, bh1, bl0, bl1);
+            }
+        }
+    }
+}
+__device__ __forceinline__ void tc_store_half(float* s, const float (&sc)[2][4], int g, int c) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i2 = 0; i2 < 2; ++i2)
+            *(float2*)(s + (g + 8 * i2) * ATT_TC_S_LD + 8 * nt + 2 * c) = make_float2(sc[nt][2 * i2], sc[nt][2 * i2 + 1]);
+}
+// The online-softmax step of a tile (keys kb..) for this lane's rows: sc holds the whole scores on
+// entry; out: corr (the old state's factor) and P as the A fragments of P V (hi / lo).
+__device__ __forceinline__ void tc_softmax_tile(float (&sc)[2][4], int kb, const int (&j0r)[2], const int (&j1r)[2],
+                                                float scale, int c, float (&mrow)[2], float (&lrow)[2],
+                                                float (&corr)[2], u32 (&ph)[4], u32 (&pl)[4]) {
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i2 = e >> 1, key = kb + 8 * nt + 2 * c + (e & 1);
+            const float v = (key >= j0r[i2] && key < j1r[i2]) ? sc[nt][e] * scale : NEG_INF;
+            sc[nt][e] = v;
+            mx[i2] = fmaxf(mx[i2], v);
+        }
+    float mn[2];
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+        mx[i2] = fmaxf(mx[i2], shfl_xor(mx[i2], 1));
+        mx[i2] = fmaxf(mx[i2], shfl_xor(mx[i2], 2));
+        mn[i2] = fmaxf(mrow[i2], mx[i2]);
+        corr[i2] = mn[i2] == NEG_INF ? 1.0f : expf(mrow[i2] - mn[i2]);
+    }
+    float p[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[nt][e] = sc[nt][e] == NEG_INF ? 0.0f : expf(sc[nt][e] - mn[e >> 1]);
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+        float ps = (p[0][2 * i2] + p[0][2 * i2 + 1]) + (p[1][2 * i2] + p[1][2 * i2 + 1]);
+        ps += shfl_xor(ps, 1);
+        ps += shfl_xor(ps, 2);
+        lrow[i2] = lrow[i2] * corr[i2] + ps;
+        mrow[i2] = mn[i2];
+    }
+    // the scores' C layout is the A layout of a 16-key k-step
+    hl_split(p[0][0], p[0][1], ph[0], pl[0]);
+    hl_split(p[0][2], p[0][3], ph[1], pl[1]);
+    hl_split(p[1][0], p[1][1], ph[2], pl[2]);
+    hl_split(p[1][2], p[1][3], ph[3], pl[3]);
+}
+// O's column tile at dims dcol.. (8 wide) += P V for the tile whose V rows are tv (stride VLD), keys
+// kb + 2c, +1, +8, +9 read as 0 from hi on (not copied).
+__device__ __forceinline__ void tc_pv_cols(float (&acc)[4], const float* tv, int VLD, int dcol, int kb, int hi,
+                                           int g, int c, const float (&corr)[2], const u32 (&ph)[4],
+                                           const u32 (&pl)[4]) {
+    const int r0 = 2 * c;
+    const float* vcol = tv + dcol + g;
+    const float v0 = kb + r0 < hi ? vcol[r0 * VLD] : 0.0f, v1 = kb + r0 + 1 < hi ? vcol[(r0 + 1) * VLD] : 0.0f;
+    const float v8 = kb + r0 + 8 < hi ? vcol[(r0 + 8) * VLD] : 0.0f, v9 = kb + r0 + 9 < hi ? vcol[(r0 + 9) * VLD] : 0.0f;
+    acc[0] *= corr[0];
+    acc[1] *= corr[0];
+    acc[2] *= corr[1];
+    acc[3] *= corr[1];
+    u32 bh0, bl0, bh1, bl1;
+    hl_split(v0, v1, bh0, bl0);
+    hl_split(v8, v9, bh1, bl1);
+    mma3(acc, ph, pl, bh0, bh1, bl0, bl1);
+}
+// Rows of the block and their key ranges in split s (shared by both kernels).
+__device__ __forceinline__ void tc_rows(int p0, int m0, int M, int G, int split_cap, int s, int g, int (&j0r)[2],
+                                        int (&j1r)[2], int& lo, int& hi) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int m = m0 + g + 8 * i;
+        if (m < M) att_split_range(p0 + m / G + 1, split_cap, s, j0r[i], j1r[i]);
+        else j0r[i] = j1r[i] = 0;
+    }
+    int unused;
+    att_split_range(p0 + m0 / G + 1, split_cap, s, lo, unused);
+    att_split_range(p0 + min(M - 1, m0 + ATT_TC_ROWS - 1) / G + 1, split_cap, s, unused, hi);
+}
+// A tile's K and V rows (those below hi) into shared memory, one bulk copy a row, by one warp.
+__device__ __forceinline__ void tc_copy_tile(float* k_dst, float* v_dst, const float* kc, const float* vc, int kb,
+                                             int hi, int D, int KLD, int VLD, unsigned long long* bar, int lane) {
+    const int nrow = min(16, hi - kb);
+    for (int r = 0; r < nrow; ++r) {
+        stage_copy(k_dst + r * KLD, kc + (size_t)(kb + r) * D, (unsigned)D * 4u, bar, lane);
+        stage_copy(v_dst + r * VLD, vc + (size_t)(kb + r) * D, (unsigned)D * 4u, bar, lane);
+    }
+}
+__device__ __forceinline__ unsigned tc_tile_bytes(int kb, int hi, int D) {
+    return 2u * (unsigned)(min(16, hi - kb) * D) * 4u;
+}
+#define ATT_TC_ARGS                                                                                          \
+    const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl, \
+        int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D,               \
+        int split_cap, float scale, int T
+extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { TL_SCOPE;
     __shared__ __align__(8) unsigned long long s_full[2];
     DYN_SMEM(float, sm);        // K [2][16][D + 16], V [2][16][D + 4], score halves [2][16][ATT_TC_S_LD]
     const int KLD = D + 16, VLD = D + 4;
@@ -901,28 +1055,16 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
     const int ctx = (int)tbl[slot + 2];
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
     const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
-    // This lane's rows g and g + 8 and their keys in split s; the block walks the union of its rows'
-    // ranges (the rows' t grow with m, and so do their ranges' ends).
-    int j0r[2], j1r[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int m = m0 + g + 8 * i;
-        if (m < M) att_split_range(p0 + m / G + 1, n_split, s, j0r[i], j1r[i]);
-        else j0r[i] = j1r[i] = 0;
-    }
-    int lo, hi, unused;
-    att_split_range(p0 + m0 / G + 1, n_split, s, lo, unused);
-    att_split_range(p0 + min(M - 1, m0 + ATT_TC_ROWS - 1) / G + 1, n_split, s, unused, hi);
+    // this lane's rows g and g + 8 and their keys; the block walks the union of its rows' ranges
+    int j0r[2], j1r[2], lo, hi;
+    tc_rows(p0, m0, M, G, split_cap, s, g, j0r, j1r, lo, hi);
     const int n_tiles = hi > lo ? (hi - lo + 15) / 16 : 0;
-    // warp 0 requests tile i into stage i & 1: its valid K and V rows, one bulk copy each
-    auto issue = [&](int i) {
-        const int kb = lo + 16 * i, st = i & 1, nrow = min(16, hi - kb);
-        if (lane == 0) mbar_expect(&s_full[st], 2u * (unsigned)(nrow * D) * 4u);
+    auto issue = [&](int i) {   // warp 0: tile i into stage i & 1
+        const int kb = lo + 16 * i, st = i & 1;
+        if (lane == 0) mbar_expect(&s_full[st], tc_tile_bytes(kb, hi, D));
         warp_sync();
-        for (int r = 0; r < nrow; ++r) {
-            stage_copy(sk + (st * ATT_TC_ROWS + r) * KLD, kc + (size_t)(kb + r) * D, (unsigned)D * 4u, &s_full[st], lane);
-            stage_copy(sv + (st * ATT_TC_ROWS + r) * VLD, vc + (size_t)(kb + r) * D, (unsigned)D * 4u, &s_full[st], lane);
-        }
+        tc_copy_tile(sk + st * ATT_TC_ROWS * KLD, sv + st * ATT_TC_ROWS * VLD, kc, vc, kb, hi, D, KLD, VLD,
+                     &s_full[st], lane);
     };
     int issued = 0;             // warp 0: tiles requested so far (the first two, in order)
     if (warp == 0) {
@@ -936,32 +1078,8 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
     grid_dependency_wait();
     if (warp == 0)
         while (issued < min(2, n_tiles)) issue(issued++);
-    // This warp's q fragments: k-steps ks = warp + 2u; rows g and g + 8; dims 16 ks + 4c .. + 3.
-    const int NKS = D / 16;
     u32 qh[ATT_TC_MAXD / 32][4], ql[ATT_TC_MAXD / 32][4];
-    {
-        float4 qv[ATT_TC_MAXD / 32][2];
-#pragma unroll
-        for (int u = 0; u < ATT_TC_MAXD / 32; ++u) {
-            const int ks = warp + 2 * u;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int m = m0 + g + 8 * i;
-                qv[u][i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (ks < NKS && m < M) {
-                    const int t = m / G, h = kvh * G + (m - t * G);
-                    qv[u][i] = *(const float4*)(q + ((size_t)t * H + h) * D + 16 * ks + 4 * c);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < ATT_TC_MAXD / 32; ++u)
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                hl_split(qv[u][i].x, qv[u][i].y, qh[u][i], ql[u][i]);
-                hl_split(qv[u][i].z, qv[u][i].w, qh[u][2 + i], ql[u][2 + i]);
-            }
-    }
+    tc_load_q(qh, ql, q, m0, M, G, H, kvh, D, warp, g, c);
     __syncthreads();            // the barriers' initialisation, seen by warp 1 before it waits
     const int DH = D / 2, NJ = DH / 8, d0 = warp * DH;
     float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
@@ -970,90 +1088,24 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
     for (int j = 0; j < ATT_TC_MAXD / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     for (int i = 0; i < n_tiles; ++i) {
         const int kb = lo + 16 * i, st = i & 1;
-        const float* tk = sk + st * ATT_TC_ROWS * KLD;
         const float* tv = sv + st * ATT_TC_ROWS * VLD;
         mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
-        // this warp's half of the scores: sc[nt][e] = row g + 8 (e >> 1), key kb + 8 nt + 2c + (e & 1)
-        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-        for (int u = 0; u < ATT_TC_MAXD / 32; ++u) {
-            const int ks = warp + 2 * u;
-            if (ks < NKS) {
-#pragma unroll
-                for (int nt = 0; nt < 2; ++nt) {
-                    const float4 kv = *(const float4*)(tk + (8 * nt + g) * KLD + 16 * ks + 4 * c);
-                    u32 bh0, bl0, bh1, bl1;
-                    hl_split(kv.x, kv.y, bh0, bl0);
-                    hl_split(kv.z, kv.w, bh1, bl1);
-                    mma3(sc[nt], qh[u], ql[u], bh0, bh1, bl0, bl1);
-                }
-            }
-        }
-        float* my = ss + warp * ATT_TC_ROWS * ATT_TC_S_LD;
+        float sc[2][4];
+        tc_scores_half(sc, sk + st * ATT_TC_ROWS * KLD, KLD, warp, D, qh, ql, g, c);
+        tc_store_half(ss + warp * ATT_TC_ROWS * ATT_TC_S_LD, sc, g, c);
+        __syncthreads();
         const float* other = ss + (warp ^ 1) * ATT_TC_ROWS * ATT_TC_S_LD;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int i2 = 0; i2 < 2; ++i2)
-                *(float2*)(my + (g + 8 * i2) * ATT_TC_S_LD + 8 * nt + 2 * c) = make_float2(sc[nt][2 * i2], sc[nt][2 * i2 + 1]);
-        __syncthreads();
-        float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i2 = e >> 1, col = 8 * nt + 2 * c + (e & 1), key = kb + col;
-                const float tot = sc[nt][e] + other[(g + 8 * i2) * ATT_TC_S_LD + col];   // S0 + S1 = S1 + S0
-                const float v = (key >= j0r[i2] && key < j1r[i2]) ? tot * scale : NEG_INF;
-                sc[nt][e] = v;
-                mx[i2] = fmaxf(mx[i2], v);
-            }
-        float mn[2], corr[2];
-#pragma unroll
-        for (int i2 = 0; i2 < 2; ++i2) {
-            mx[i2] = fmaxf(mx[i2], shfl_xor(mx[i2], 1));
-            mx[i2] = fmaxf(mx[i2], shfl_xor(mx[i2], 2));
-            mn[i2] = fmaxf(mrow[i2], mx[i2]);
-            corr[i2] = mn[i2] == NEG_INF ? 1.0f : expf(mrow[i2] - mn[i2]);
-        }
-        float p[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[nt][e] = sc[nt][e] == NEG_INF ? 0.0f : expf(sc[nt][e] - mn[e >> 1]);
-#pragma unroll
-        for (int i2 = 0; i2 < 2; ++i2) {
-            float ps = (p[0][2 * i2] + p[0][2 * i2 + 1]) + (p[1][2 * i2] + p[1][2 * i2 + 1]);
-            ps += shfl_xor(ps, 1);
-            ps += shfl_xor(ps, 2);
-            lrow[i2] = lrow[i2] * corr[i2] + ps;
-            mrow[i2] = mn[i2];
-        }
-        // P as the A fragments of P V: the scores' C layout is the A layout of a 16-key k-step
+            for (int e = 0; e < 4; ++e)      // S0 + S1 = S1 + S0: the same in both warps
+                sc[nt][e] = sc[nt][e] + other[(g + 8 * (e >> 1)) * ATT_TC_S_LD + 8 * nt + 2 * c + (e & 1)];
+        float corr[2];
         u32 ph[4], pl[4];
-        hl_split(p[0][0], p[0][1], ph[0], pl[0]);
-        hl_split(p[0][2], p[0][3], ph[1], pl[1]);
-        hl_split(p[1][0], p[1][1], ph[2], pl[2]);
-        hl_split(p[1][2], p[1][3], ph[3], pl[3]);
-        // V of keys kb + 2c, +1, +8, +9 (rows past the tile's valid keys were not copied: 0)
-        const int r0 = 2 * c;
-        const bool ok0 = kb + r0 < hi, ok1 = kb + r0 + 1 < hi, ok8 = kb + r0 + 8 < hi, ok9 = kb + r0 + 9 < hi;
+        tc_softmax_tile(sc, kb, j0r, j1r, scale, c, mrow, lrow, corr, ph, pl);
 #pragma unroll
-        for (int j = 0; j < ATT_TC_MAXD / 16; ++j) {
-            if (j < NJ) {
-                const float* vcol = tv + d0 + 8 * j + g;
-                const float v0 = ok0 ? vcol[r0 * VLD] : 0.0f, v1 = ok1 ? vcol[(r0 + 1) * VLD] : 0.0f;
-                const float v8 = ok8 ? vcol[(r0 + 8) * VLD] : 0.0f, v9 = ok9 ? vcol[(r0 + 9) * VLD] : 0.0f;
-                acc[j][0] *= corr[0];
-                acc[j][1] *= corr[0];
-                acc[j][2] *= corr[1];
-                acc[j][3] *= corr[1];
-                u32 bh0, bl0, bh1, bl1;
-                hl_split(v0, v1, bh0, bl0);
-                hl_split(v8, v9, bh1, bl1);
-                mma3(acc[j], ph, pl, bh0, bh1, bl0, bl1);
-            }
-        }
+        for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
+            if (j < NJ) tc_pv_cols(acc[j], tv, VLD, d0 + 8 * j, kb, hi, g, c, corr, ph, pl);
         __syncthreads();        // both warps are done with the stage and the score halves
         if (warp == 0 && i + 2 < n_tiles) issue(i + 2);
     }
@@ -1062,7 +1114,7 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
         const int m = m0 + g + 8 * i2;
         if (m >= M) continue;
         const int t = m / G, h = kvh * G + (m - t * G);
-        const size_t slot_i = ((size_t)t * H + h) * n_split + s;
+        const size_t slot_i = ((size_t)t * H + h) * ATT_MAX_SPLITS + s;
 #pragma unroll
         for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
             if (j < NJ) {
@@ -1077,11 +1129,132 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(
     }
 }
 
+// attn_partial_tcd: attn_partial_tc's rows computed with more warps, for launches whose rows fit one
+// m-tile (T * G <= 16: decode), where the verify kernel's two warps walk the split's tiles alone
+// (on the H200: 64 blocks, under one warp a scheduler, an instruction every ~7 cycles). Eight warps;
+// the tiles come in chunks of ATT_TCD_CHUNK, two chunks in flight. Per chunk, 2 * ATT_TCD_CHUNK
+// warps compute the tiles' score halves at once (warp w: half w & 1 of tile w >> 1, the verify
+// kernel's k-steps for that half), then every warp runs the tiles' softmax steps in order and the
+// P V products of its own column tiles of D (w, w + 8, ...). Each of a row's operations is the one
+// attn_partial_tc does (the same helpers; S0 + S1 added in the same order), so its bits are the
+// verify kernel's: decode may take this kernel while verify takes that one.
+#define ATT_TCD_WARPS 8
+#define ATT_TCD_CHUNK 2
+extern "C" __global__ void __launch_bounds__(ATT_TCD_WARPS * 32) attn_partial_tcd(ATT_TC_ARGS) { TL_SCOPE;
+    __shared__ __align__(8) unsigned long long s_full[2];
+    // K [2][CHUNK][16][D + 16], V [2][CHUNK][16][D + 4], score halves [CHUNK][2][16][ATT_TC_S_LD]
+    DYN_SMEM(float, sm);
+    const int KLD = D + 16, VLD = D + 4;
+    float* sk = sm;
+    float* sv = sk + 2 * ATT_TCD_CHUNK * ATT_TC_ROWS * KLD;
+    float* ss = sv + 2 * ATT_TCD_CHUNK * ATT_TC_ROWS * VLD;
+    trigger_dependents();   // the next launch may start (it waits for us before reading)
+    const int s = blockIdx.x, kvh = blockIdx.y, m0 = 0;
+    const int G = H / Hkv, M = T * G;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int p0 = params[0];
+    const int ctx = (int)tbl[slot + 2];
+    const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
+    const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
+    int j0r[2], j1r[2], lo, hi;
+    tc_rows(p0, m0, M, G, split_cap, s, g, j0r, j1r, lo, hi);
+    const int n_tiles = hi > lo ? (hi - lo + 15) / 16 : 0;
+    const int n_chunks = (n_tiles + ATT_TCD_CHUNK - 1) / ATT_TCD_CHUNK;
+    auto issue = [&](int ci) {  // warp 0: chunk ci into stage ci & 1
+        const int st = ci & 1, i0 = ci * ATT_TCD_CHUNK, nt = min(ATT_TCD_CHUNK, n_tiles - i0);
+        unsigned bytes = 0;
+        for (int t = 0; t < nt; ++t) bytes += tc_tile_bytes(lo + 16 * (i0 + t), hi, D);
+        if (lane == 0) mbar_expect(&s_full[st], bytes);
+        warp_sync();
+        for (int t = 0; t < nt; ++t)
+            tc_copy_tile(sk + (st * ATT_TCD_CHUNK + t) * ATT_TC_ROWS * KLD,
+                         sv + (st * ATT_TCD_CHUNK + t) * ATT_TC_ROWS * VLD, kc, vc, lo + 16 * (i0 + t), hi, D, KLD,
+                         VLD, &s_full[st], lane);
+    };
+    int issued = 0;
+    if (warp == 0) {
+        if (lane == 0) {
+            mbar_init(&s_full[0], 1);
+            mbar_init(&s_full[1], 1);
+        }
+        warp_sync();
+        while (issued < min(2, n_chunks) && min(hi, lo + 16 * ATT_TCD_CHUNK * (issued + 1)) <= p0) issue(issued++);
+    }
+    grid_dependency_wait();
+    if (warp == 0)
+        while (issued < min(2, n_chunks)) issue(issued++);
+    const bool s_warp = warp < 2 * ATT_TCD_CHUNK;
+    const int half = warp & 1, tsub = warp >> 1;
+    u32 qh[ATT_TC_MAXD / 32][4], ql[ATT_TC_MAXD / 32][4];
+    if (s_warp) tc_load_q(qh, ql, q, m0, M, G, H, kvh, D, half, g, c);
+    __syncthreads();            // the barriers' initialisation, seen by every warp before it waits
+    const int NJ8 = D / 8;      // column tiles of D; this warp's: warp, warp + 8, ...
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    float acc[ATT_TC_MAXD / 64][4];
+#pragma unroll
+    for (int k = 0; k < ATT_TC_MAXD / 64; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.0f;
+    for (int ci = 0; ci < n_chunks; ++ci) {
+        const int st = ci & 1, i0 = ci * ATT_TCD_CHUNK, nt = min(ATT_TCD_CHUNK, n_tiles - i0);
+        mbar_wait(&s_full[st], (unsigned)(ci >> 1) & 1u);
+        if (s_warp && tsub < nt) {
+            float sc[2][4];
+            tc_scores_half(sc, sk + (st * ATT_TCD_CHUNK + tsub) * ATT_TC_ROWS * KLD, KLD, half, D, qh, ql, g, c);
+            tc_store_half(ss + (2 * tsub + half) * ATT_TC_ROWS * ATT_TC_S_LD, sc, g, c);
+        }
+        __syncthreads();
+        for (int t = 0; t < nt; ++t) {
+            const int kb = lo + 16 * (i0 + t);
+            const float* s0 = ss + (2 * t) * ATT_TC_ROWS * ATT_TC_S_LD;
+            const float* s1 = s0 + ATT_TC_ROWS * ATT_TC_S_LD;
+            float sc[2][4];
+#pragma unroll
+            for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int at = (g + 8 * (e >> 1)) * ATT_TC_S_LD + 8 * nt2 + 2 * c + (e & 1);
+                    sc[nt2][e] = s0[at] + s1[at];
+                }
+            float corr[2];
+            u32 ph[4], pl[4];
+            tc_softmax_tile(sc, kb, j0r, j1r, scale, c, mrow, lrow, corr, ph, pl);
+            const float* tv = sv + (st * ATT_TCD_CHUNK + t) * ATT_TC_ROWS * VLD;
+#pragma unroll
+            for (int k = 0; k < ATT_TC_MAXD / 64; ++k) {
+                const int jj = warp + ATT_TCD_WARPS * k;
+                if (jj < NJ8) tc_pv_cols(acc[k], tv, VLD, 8 * jj, kb, hi, g, c, corr, ph, pl);
+            }
+        }
+        __syncthreads();        // every warp is done with the stage and the score halves
+        if (warp == 0 && ci + 2 < n_chunks) issue(ci + 2);
+    }
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+        const int m = m0 + g + 8 * i2;
+        if (m >= M) continue;
+        const int t = m / G, h = kvh * G + (m - t * G);
+        const size_t slot_i = ((size_t)t * H + h) * ATT_MAX_SPLITS + s;
+#pragma unroll
+        for (int k = 0; k < ATT_TC_MAXD / 64; ++k) {
+            const int jj = warp + ATT_TCD_WARPS * k;
+            if (jj < NJ8) {
+                float* o = part_o + slot_i * D + 8 * jj + 2 * c;
+                o[0] = acc[k][2 * i2];
+                o[1] = acc[k][2 * i2 + 1];
+            }
+        }
+        if (warp == 0 && c == 0) {
+            part_ml[slot_i * 2] = lrow[i2] > 0.0f ? mrow[i2] : NEG_INF;
+            part_ml[slot_i * 2 + 1] = lrow[i2];
+        }
+    }
+}
+
 // attn_combine_prep: o[t, h] = merge of the splits, times sigmoid(gate[t, h]) (gate = the second D
 // values of head h in qg), then act16. grid (T, ceil(H*D / 256)): a block writes 256 columns.
+// n_scan = the attn_partial launch's split count (its grid): every split s < n_scan was written.
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ qg, int H,
-    int D, int n_split, u16* __restrict__ out16, u16* __restrict__ outxs) { TL_SCOPE;
+    int D, int n_scan, u16* __restrict__ out16, u16* __restrict__ outxs) { TL_SCOPE;
     __shared__ float vals[PREP_COLS];
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     grid_dependency_wait();
@@ -1089,29 +1262,59 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_combine_prep(
     const int count = min(PREP_COLS, H * D - n0);
     if ((int)threadIdx.x < count) {
         const int idx = n0 + threadIdx.x, h = idx / D, d = idx % D;
-        const size_t base = ((size_t)t * H + h) * n_split;
-        // Every split's (m, l) and o are requested at once (n_split <= ATT_MAX_SPLITS), then merged
-        // in split order; a split with no keys (l == 0) is skipped, its o never read as a number.
-        float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], os[ATT_MAX_SPLITS];
-#pragma unroll
-        for (int s = 0; s < ATT_MAX_SPLITS; ++s) {
-            const bool in = s < n_split;
-            ms[s] = in ? part_ml[(base + s) * 2] : 0.0f;
-            ls[s] = in ? part_ml[(base + s) * 2 + 1] : 0.0f;
-            os[s] = in ? part_o[(base + s) * D + d] : 0.0f;
-        }
+        const size_t base = ((size_t)t * H + h) * ATT_MAX_SPLITS;
         const float gt = qg[(size_t)t * 2 * H * D + (size_t)h * 2 * D + D + d];
-        float M = NEG_INF;
+        // The splits merged in split order; a split with no keys (l == 0) is skipped, its o never
+        // read as a number. Up to ATT_MIN_SPLITS (every short context) all loads go out at once;
+        // beyond, groups of ATT_MIN_SPLITS in two passes (the maximum first): the same operations
+        // in the same order, so a row's bits do not depend on n_scan.
+        float ms[ATT_MIN_SPLITS], ls[ATT_MIN_SPLITS], os[ATT_MIN_SPLITS];
+        float M = NEG_INF, L = 0.0f, o = 0.0f;
+        if (n_scan <= ATT_MIN_SPLITS) {
 #pragma unroll
-        for (int s = 0; s < ATT_MAX_SPLITS; ++s)
-            if (ls[s] > 0.0f) M = fmaxf(M, ms[s]);
-        float L = 0.0f, o = 0.0f;
+            for (int s = 0; s < ATT_MIN_SPLITS; ++s) {
+                const bool in = s < n_scan;
+                ms[s] = in ? part_ml[(base + s) * 2] : 0.0f;
+                ls[s] = in ? part_ml[(base + s) * 2 + 1] : 0.0f;
+                os[s] = in ? part_o[(base + s) * D + d] : 0.0f;
+            }
 #pragma unroll
-        for (int s = 0; s < ATT_MAX_SPLITS; ++s) {
-            if (ls[s] > 0.0f) {
-                const float f = expf(ms[s] - M);
-                L += ls[s] * f;
-                o += os[s] * f;
+            for (int s = 0; s < ATT_MIN_SPLITS; ++s)
+                if (ls[s] > 0.0f) M = fmaxf(M, ms[s]);
+#pragma unroll
+            for (int s = 0; s < ATT_MIN_SPLITS; ++s)
+                if (ls[s] > 0.0f) {
+                    const float f = expf(ms[s] - M);
+                    L += ls[s] * f;
+                    o += os[s] * f;
+                }
+        } else {
+            for (int s0 = 0; s0 < n_scan; s0 += ATT_MIN_SPLITS) {
+#pragma unroll
+                for (int s = 0; s < ATT_MIN_SPLITS; ++s) {
+                    const bool in = s0 + s < n_scan;
+                    ms[s] = in ? part_ml[(base + s0 + s) * 2] : 0.0f;
+                    ls[s] = in ? part_ml[(base + s0 + s) * 2 + 1] : 0.0f;
+                }
+#pragma unroll
+                for (int s = 0; s < ATT_MIN_SPLITS; ++s)
+                    if (ls[s] > 0.0f) M = fmaxf(M, ms[s]);
+            }
+            for (int s0 = 0; s0 < n_scan; s0 += ATT_MIN_SPLITS) {
+#pragma unroll
+                for (int s = 0; s < ATT_MIN_SPLITS; ++s) {
+                    const bool in = s0 + s < n_scan;
+                    ms[s] = in ? part_ml[(base + s0 + s) * 2] : 0.0f;
+                    ls[s] = in ? part_ml[(base + s0 + s) * 2 + 1] : 0.0f;
+                    os[s] = in ? part_o[(base + s0 + s) * D + d] : 0.0f;
+                }
+#pragma unroll
+                for (int s = 0; s < ATT_MIN_SPLITS; ++s)
+                    if (ls[s] > 0.0f) {
+                        const float f = expf(ms[s] - M);
+                        L += ls[s] * f;
+                        o += os[s] * f;
+                    }
             }
         }
         o = L > 0.0f ? o / L : 0.0f;

@@ -43,15 +43,26 @@ GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r*: d_k <= GDN_PARTS * RPT
 GDN_CHUNK = 32                      # fused.cu GDN_CHUNK: tokens staged at once (at most)
 GDN_CONV_TOKENS = 4                 # gdn_conv: tokens a block computes in a verify step
-ATT_SPLITS = 16                     # key splits per (row, head) in attn_partial (fused.cu ATT_MAX_SPLITS)
+# attn_partial's key splits (fused.cu, same names): a row of n keys takes clamp(ceil(n / ATT_SPLIT_KEYS),
+# ATT_MIN_SPLITS, cap) splits, cap = ATT_SPLIT_CAP_FMA or ATT_SPLIT_CAP_TC by kernel family; the partials
+# are laid out with a stride of ATT_MAX_SPLITS. The tensor-core kernels walk a split's tiles in series,
+# so long rows need more of them. H200, 27B, 16K keys, graph ms (twelfth session): decode 10.14 with 16
+# splits, 8.60 with 64, 8.97 with 128 (FMA kernel, 16 splits: 8.24); verify W=23 21.56 / 19.84 / 20.52
+# (FMA 25.94). The FMA kernel runs 384 blocks at 16 already, and more split it no faster.
+ATT_MIN_SPLITS = 16
+ATT_MAX_SPLITS = 128
+ATT_SPLIT_KEYS = 128
+ATT_SPLIT_CAP_FMA = 16
+ATT_SPLIT_CAP_TC = 64
 ATT_HEADS = (1, 2, 3)               # query heads a block of attn_partial can take (fused.cu attn_partial_g<R>)
 ATT_HEADS_DECODE = 1                # at most this many at T = 1, ATT_HEADS_WIDE at T > 1
 ATT_HEADS_WIDE = 3
-# attn_partial_tc for every width (decode and verify must agree) when True. Off: measured on the H200
-# (tests/bench/GPU_NOTES.md, eleventh session) verify W=16-32 runs 0.25-0.5 ms faster with it but decode
-# 0.19 ms slower at 512 keys and 0.9 / 3.6 ms slower at 4K / 16K (two warps a block, tiles in series).
-ATT_TENSOR_CORES = False
+# attn_partial_tc / _tcd for every width (decode and verify must agree) where the head size allows.
+# H200, 27B (tests/bench/GPU_NOTES.md, twelfth session): verify graph W=16 -0.7 ms, W=23 -0.5 ms at
+# 512 keys and -6 ms at 16K (with the splits growing past 2K keys); decode +0.08 ms at 512 keys.
+ATT_TENSOR_CORES = True
 ATT_TC_S_LD = 24                    # fused.cu ATT_TC_S_LD: the score halves' row stride
+ATT_TCD_CHUNK = 2                   # fused.cu ATT_TCD_CHUNK: tiles a stage of attn_partial_tcd holds
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
 ARGMAX_CHUNKS = 64                  # blocks per row of argmax_rows
@@ -74,6 +85,20 @@ def attn_heads_per_block(group: int, T: int) -> int:
     better), where decode keeps one a block for more blocks in its short launches."""
     cap = ATT_HEADS_DECODE if T == 1 else ATT_HEADS_WIDE
     return max(r for r in ATT_HEADS if r <= cap and group % r == 0)
+
+
+def att_row_splits(n_keys: int, tensor_cores: bool) -> int:
+    """The splits of a row with n_keys keys (fused.cu att_split_range)."""
+    cap = ATT_SPLIT_CAP_TC if tensor_cores else ATT_SPLIT_CAP_FMA
+    return min(cap, max(ATT_MIN_SPLITS, -(-n_keys // ATT_SPLIT_KEYS)))
+
+
+def att_launch_splits(n_keys: int, tensor_cores: bool) -> int:
+    """An attn_partial grid's splits for rows of up to n_keys keys: the power of two from 16 that
+    covers the longest row's (a captured step is replayed while the context grows; one graph per
+    doubling)."""
+    n = att_row_splits(max(1, n_keys), tensor_cores)
+    return min(ATT_MAX_SPLITS, 1 << (n - 1).bit_length())
 
 
 def prep_block_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int:
@@ -495,39 +520,67 @@ class FusedGpu:
                 np.int32(Hkv), np.int32(D), np.int32(n_rot), np.float64(theta))
         return Op(label, kern, (H + 2 * Hkv, T), (max(32, -(-D // 32) * 32),), args)
 
+    @staticmethod
+    def att_tensor_cores(D: int) -> bool:
+        """Whether attn_partial runs on tensor cores by default for head size D."""
+        return ATT_TENSOR_CORES and D % 16 == 0
+
     def op_attn_partial(self, label: str, q, params, tbl, slot: int, part_o, part_ml, H: int, Hkv: int, D: int,
-                        scale: float, T: int, heads: int | None = None, tensor_cores: bool | None = None) -> Op:
-        """Split-K attention of T rows over the cache; a block takes `heads` query heads of one KV
-        group (default attn_heads_per_block: the result's bits do not depend on it). tensor_cores
-        (default ATT_TENSOR_CORES where D allows): attn_partial_tc, blocks of 16 (row, head) pairs of
-        one KV group with the scores and outputs on tensor cores and the keys staged in shared memory
-        (other bits than attn_partial_g<R>, so decode and verify must both take it, as they do through
-        this default)."""
+                        scale: float, T: int, heads: int | None = None, tensor_cores: bool | None = None,
+                        decode_kernel: bool | None = None, splits: int | None = None) -> Op:
+        """Split-K attention of T rows over the cache into part_o [T, H, ATT_MAX_SPLITS, D] and
+        part_ml [T, H, ATT_MAX_SPLITS, 2]; a block takes `heads` query heads of one KV group (default
+        attn_heads_per_block: the result's bits do not depend on it). tensor_cores (default
+        att_tensor_cores(D)): blocks of 16 (row, head) pairs of one KV group with the scores and
+        outputs on tensor cores and the keys staged in shared memory (other bits than
+        attn_partial_g<R>, so decode and verify must both take it, as they do through this default):
+        attn_partial_tc, or for rows that fit one block (T * H / Hkv <= 16: decode; decode_kernel
+        forces either) attn_partial_tcd, the same rows' bits with eight warps. splits: the grid's
+        splits, at least att_row_splits of the longest row (att_launch_splits; default the family's
+        cap, right for any context); attn_combine_prep must scan as many."""
         if D % 8 or D > 256:
             raise ValueError(f"{label}: attention head size {D} (attn_partial takes multiples of 8 up to 256)")
         if tensor_cores is None:
-            tensor_cores = ATT_TENSOR_CORES and D % 16 == 0
+            tensor_cores = self.att_tensor_cores(D)
+        cap = ATT_SPLIT_CAP_TC if tensor_cores else ATT_SPLIT_CAP_FMA
+        splits = cap if splits is None else splits
+        if not ATT_MIN_SPLITS <= splits <= cap:
+            raise ValueError(f"{label}: {splits} splits (this kernel family takes {ATT_MIN_SPLITS}..{cap})")
         if tensor_cores:
             if D % 16 or H % Hkv:
                 raise ValueError(f"{label}: attn_partial_tc takes head sizes that are multiples of 16 and whole KV "
                                  f"groups, got D={D}, H={H}, Hkv={Hkv}")
+            M = T * (H // Hkv)
+            tcd = M <= 16 if decode_kernel is None else decode_kernel
+            if tcd and M > 16:
+                raise ValueError(f"{label}: attn_partial_tcd takes up to 16 (row, head) pairs a KV group, got {M}")
+            args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
+                    np.int32(cap), np.float32(scale), np.int32(T))
+            if tcd:
+                kern = self._k("fused.cu", "attn_partial_tcd")
+                smem = 4 * 16 * ATT_TCD_CHUNK * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)   # fused.cu
+                self._smem(kern, smem)
+                return Op(label, kern, (splits, Hkv, 1), (256,), args, smem)
             kern = self._k("fused.cu", "attn_partial_tc")
             smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)    # fused.cu: K, V stages, score halves
             self._smem(kern, smem)
-            args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
-                    np.int32(ATT_SPLITS), np.float32(scale), np.int32(T))
-            return Op(label, kern, (ATT_SPLITS, Hkv, -(-(T * (H // Hkv)) // 16)), (64,), args, smem)
+            return Op(label, kern, (splits, Hkv, -(-M // 16)), (64,), args, smem)
         R = heads if heads is not None else attn_heads_per_block(H // Hkv, T)
         if R not in ATT_HEADS or H % Hkv or (H // Hkv) % R:
             raise ValueError(f"{label}: {R} heads a block for a group of {H}/{Hkv} heads")
         kern = self._k("fused.cu", f"attn_partial_g{R}")
         args = (q, params, tbl, np.int32(slot), part_o, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
-                np.int32(ATT_SPLITS), np.float32(scale))
-        return Op(label, kern, (ATT_SPLITS, H // R, T), (128,), args)
+                np.int32(cap), np.float32(scale))
+        return Op(label, kern, (splits, H // R, T), (128,), args)
 
-    def op_attn_combine_prep(self, label: str, part_o, part_ml, qg, H: int, D: int, act: ActBuffer, T: int) -> Op:
+    def op_attn_combine_prep(self, label: str, part_o, part_ml, qg, H: int, D: int, act: ActBuffer, T: int,
+                             splits: int) -> Op:
+        """Merge the `splits` partials of each (row, head) (the attn_partial launch's grid), gate,
+        act16."""
+        if not 1 <= splits <= ATT_MAX_SPLITS:
+            raise ValueError(f"{label}: {splits} splits (1..{ATT_MAX_SPLITS})")
         kern = self._k("fused.cu", "attn_combine_prep")
-        args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(ATT_SPLITS), act.x16, act.xs)
+        args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(splits), act.x16, act.xs)
         return Op(label, kern, (T, -(-(H * D) // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_topk(self, label: str, logits, V: int, ld: int, k: int, out_ids, out_vals, meta, n_rows: int) -> Op:

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 from kernels import fused_ref, ggml_quants
-from kernels.fused_gpu import (ATT_SPLITS, MODE_ADD, MODE_STORE, MODE_SWIGLU, ActBuffer, FusedGpu, MmWorkspace,
-                               prep_block_cols, prep_cluster_cols)
+from kernels.fused_gpu import (ATT_MAX_SPLITS, ATT_MIN_SPLITS, ATT_SPLIT_CAP_TC, MODE_ADD, MODE_STORE, MODE_SWIGLU,
+                               ActBuffer, FusedGpu, MmWorkspace, att_launch_splits, att_row_splits, prep_block_cols,
+                               prep_cluster_cols)
 from tests.emu import emu_unavailable_reason
 from tests.gpu_helpers import NO_GPU
 
@@ -643,14 +644,16 @@ def test_deltanet_gated_norm_prep(dev):
 
 
 @pytest.mark.parametrize("tc", (False, True), ids=("fma", "tc"))
-@pytest.mark.parametrize("n_past", (0, 5, 300, 1100))
+@pytest.mark.parametrize("n_past", (0, 5, 300, 1100, 4200))
 def test_attention_kernels(dev, n_past, tc):
+    """Against the numpy reference; the tensor-core launch with the fewest splits that covers its
+    rows (att_launch_splits: 64 at 4200 keys), as the step takes it."""
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(n_past)
     if name == "emu" and n_past > 300:
         pytest.skip("long contexts on the GPU only (emulator time)")
-    T, H, Hkv, D, n_rot, theta, ctx = 4, 4, 2, 64, 16, 1e6, 1200
+    T, H, Hkv, D, n_rot, theta, ctx = 4, 4, 2, 64, 16, 1e6, n_past + 100
     qg = rng.standard_normal((T, 2 * H * D)).astype(np.float32)
     k = rng.standard_normal((T, Hkv * D)).astype(np.float32)
     v = rng.standard_normal((T, Hkv * D)).astype(np.float32)
@@ -665,14 +668,17 @@ def test_attention_kernels(dev, n_past, tc):
     params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
     qgd = xp.array(qg)
     qrot = xp.zeros((T, H, D), dtype=xp.float32)
-    part_o = xp.zeros((T, H, ATT_SPLITS, D), dtype=xp.float32)
-    part_ml = xp.zeros((T, H, ATT_SPLITS, 2), dtype=xp.float32)
+    part_o = xp.zeros((T, H, ATT_MAX_SPLITS, D), dtype=xp.float32)
+    part_ml = xp.zeros((T, H, ATT_MAX_SPLITS, 2), dtype=xp.float32)
     act = ActBuffer(xp, H * D)
     fg.op_attn_qk_rope_kv("a", qgd, xp.array(k), xp.array(v), xp.array(qn), xp.array(kn), 1e-6, params, tbl,
                           0, qrot, H, Hkv, D, n_rot, theta, T)()
     assert _rel(_h(xp, kc), kc_ref) <= 1e-5 and _rel(_h(xp, vc), vc_ref) == 0.0
-    fg.op_attn_partial("p", qrot, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T, tensor_cores=tc)()
-    fg.op_attn_combine_prep("c", part_o, part_ml, qgd, H, D, act, T)()
+    splits = att_launch_splits(n_past + T, tc)
+    assert splits == (64 if tc and n_past == 4200 else 16)
+    fg.op_attn_partial("p", qrot, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T, tensor_cores=tc,
+                       splits=splits)()
+    fg.op_attn_combine_prep("c", part_o, part_ml, qgd, H, D, act, T, splits)()
     got = fused_ref.act_values(act.read_rows(T)[0], H * D)
     assert _rel(got, ref) <= 1e-3
 
@@ -683,11 +689,10 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
     positions (and, across a multiple of 256 keys, different split boundaries) side by side: each
     row must come out with the bits it gets alone at its position, as decode computes it, or
     speculative verify would drift from greedy decoding. Also close to the FMA kernel (operands
-    split into two f16 halves: ~f32 accuracy)."""
+    split into two f16 halves: ~f32 accuracy). The one-row runs take attn_partial_tcd (decode's
+    kernel), the 8-row block attn_partial_tc."""
     name, d, fg = dev
     xp = fg.xp
-    if name == "emu" and n_past > 300:
-        pytest.skip("long contexts on the GPU only (emulator time)")
     rng = np.random.default_rng(n_past + 7)
     T, H, Hkv, D = 8, 12, 2, 64
     ctx = n_past + T + 8
@@ -700,8 +705,8 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
     def run(n0, rows, tc):
         params = xp.array(np.array([n0, 0] + [0] * 32, dtype=np.int32))
         n = len(rows)
-        part_o = xp.full((n, H, ATT_SPLITS, D), np.nan, dtype=xp.float32)
-        part_ml = xp.full((n, H, ATT_SPLITS, 2), np.nan, dtype=xp.float32)
+        part_o = xp.full((n, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
+        part_ml = xp.full((n, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
         fg.op_attn_partial("p", xp.array(qh[rows]), params, tbl, 0, part_o, part_ml, H, Hkv, D, scale, n,
                            tensor_cores=tc)()
         return _h(xp, part_o), _h(xp, part_ml)
@@ -717,6 +722,96 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
     assert np.abs(wide_ml[..., 0][live] - ref_ml[..., 0][live]).max() <= 1e-5
     assert _rel(wide_ml[..., 1][live], ref_ml[..., 1][live]) <= 1e-5
     assert _rel(wide_o[live], ref_o[live]) <= 1e-5
+
+
+@pytest.mark.parametrize("n_past", (0, 40, 1100))
+def test_attention_decode_kernel_equals_verify_kernel(dev, n_past):
+    """attn_partial_tcd (the rows of one tile, as decode has them, with eight warps: score halves of
+    two tiles at once, then each warp its own columns of D) must give the bits attn_partial_tc gives
+    the same rows, or decode steps would drift from verify rows. At 1100 keys a split has 80 keys:
+    three chunks of two tiles a block, the two stages reused."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(n_past + 11)
+    H, Hkv, D = 8, 1, 32
+    ctx = n_past + 8
+    kc = xp.array(rng.standard_normal((Hkv, ctx, D)).astype(np.float32))
+    vc = xp.array((2 * rng.standard_normal((Hkv, ctx, D))).astype(np.float32))
+    tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
+    params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
+    for T in (1, 2):                     # 8 and 16 (row, head) pairs
+        q = xp.array(rng.standard_normal((T, H, D)).astype(np.float32))
+        outs = []
+        for tcd in (False, True):
+            part_o = xp.full((T, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
+            part_ml = xp.full((T, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
+            fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
+                               tensor_cores=True, decode_kernel=tcd)()
+            outs.append((_h(xp, part_o), _h(xp, part_ml)))
+        assert not np.isnan(outs[0][1][:, :, :ATT_SPLIT_CAP_TC]).any()       # the default: the cap
+        assert np.array_equal(outs[1][0], outs[0][0], equal_nan=True), f"{name}: T={T} o of the decode kernel"
+        assert np.array_equal(outs[1][1], outs[0][1], equal_nan=True), f"{name}: T={T} (m, l) of the decode kernel"
+    with pytest.raises(ValueError, match="16"):
+        fg.op_attn_partial("p", xp.zeros((3, H, D), dtype=xp.float32), params, tbl, 0, part_o, part_ml, H, Hkv, D,
+                           1.0, 3, tensor_cores=True, decode_kernel=True)
+
+
+@pytest.mark.parametrize("n_past", (2044, 8188))
+def test_attention_rows_keep_their_bits_whatever_the_launch_splits(dev, n_past):
+    """A captured step launches as many key splits as its longest row takes (att_launch_splits: a
+    power of two, so one graph serves a range of contexts), and from 2049 keys a row takes one split
+    more every 128 keys, up to the cap (64: then the splits grow longer than 128 keys). A verify
+    block whose rows straddle 2048 (8192) keys, launched with the splits its last row needs or with
+    the cap, must give each row the partials and the merged output that row gets alone as a decode
+    step launched with its own count: otherwise the growing context or the graph's split count
+    would make verify rows drift from decode. Splits past a row's count must be empty (l = 0), and
+    the merge must not depend on how many it scans."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(5)
+    H, Hkv, D, T = 8, 1, 16, 8
+    row_splits = [att_row_splits(n_past + t + 1, True) for t in range(T)]
+    assert row_splits == ([16] * 4 + [17] * 4 if n_past == 2044 else [ATT_SPLIT_CAP_TC] * T)
+    ctx = n_past + T
+    kc = xp.array(rng.standard_normal((Hkv, ctx, D)).astype(np.float32))
+    vc = xp.array((2 * rng.standard_normal((Hkv, ctx, D))).astype(np.float32))
+    tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    qg = rng.standard_normal((T, 2 * H * D)).astype(np.float32)
+
+    def run(n0, rows, splits, tc=True):
+        params = xp.array(np.array([n0, 0] + [0] * 32, dtype=np.int32))
+        n = len(rows)
+        part_o = xp.full((n, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
+        part_ml = xp.full((n, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
+        fg.op_attn_partial("p", xp.array(q[rows]), params, tbl, 0, part_o, part_ml, H, Hkv, D, 0.25, n,
+                           tensor_cores=tc, splits=splits)()
+        act = ActBuffer(xp, H * D)
+        fg.op_attn_combine_prep("c", part_o, part_ml, xp.array(qg[rows]), H, D, act, n, splits)()
+        return _h(xp, part_o), _h(xp, part_ml), act.read_rows(n)[0]
+
+    last = att_launch_splits(n_past + T, True)
+    assert last == (32 if n_past == 2044 else ATT_SPLIT_CAP_TC)
+    wide = {sp: run(n_past, list(range(T)), sp) for sp in sorted({last, ATT_SPLIT_CAP_TC})}
+    for sp, (o, ml, out) in wide.items():
+        for t in (0, 3, 4, T - 1):
+            own = att_launch_splits(n_past + t + 1, True)
+            assert own == (16 if t < 4 and n_past == 2044 else last)
+            one_o, one_ml, one_out = run(n_past + t, [t], own)
+            n_keys = n_past + t + 1
+            chunk = -(-(-(-n_keys // att_row_splits(n_keys, True))) // 16) * 16
+            n_row = -(-n_keys // chunk)                  # its splits that hold keys (fewer past the cap)
+            assert np.array_equal(one_ml[0, :, :own], ml[t, :, :own]), f"{name}: row {t} (m, l), {sp} splits"
+            assert np.array_equal(one_o[0, :, :n_row], o[t, :, :n_row]), f"{name}: row {t} o, {sp} splits"
+            assert (ml[t, :, n_row:sp, 1] == 0).all(), f"{name}: row {t} has keys past its {n_row} splits"
+            assert (ml[t, :, :n_row, 1] > 0).all()
+            assert np.array_equal(one_out[0], out[t]), f"{name}: row {t} merged output, {sp} splits"
+    # and the merged rows are the attention the FMA kernel (16 splits) computes
+    fma = run(n_past, list(range(T)), ATT_MIN_SPLITS, tc=False)[2]
+    got = fused_ref.act_values(wide[last][2], H * D)
+    assert _rel(got, fused_ref.act_values(fma, H * D)) <= 1e-3
+    with pytest.raises(ValueError, match="splits"):
+        run(n_past, [0], ATT_SPLIT_CAP_TC * 2)
 
 
 @pytest.mark.parametrize("n_past", (0, 37, 300))
@@ -735,16 +830,17 @@ def test_attention_heads_per_block_keep_the_bits(dev, n_past):
     params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
     outs = {}
     for R in (1, 2, 3):
-        part_o = xp.full((T, H, ATT_SPLITS, D), np.nan, dtype=xp.float32)
-        part_ml = xp.full((T, H, ATT_SPLITS, 2), np.nan, dtype=xp.float32)
-        fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T, heads=R)()
+        part_o = xp.full((T, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
+        part_ml = xp.full((T, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
+        fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T, heads=R,
+                           tensor_cores=False)()
         outs[R] = (_h(xp, part_o), _h(xp, part_ml))
     for R in (2, 3):
         assert np.array_equal(outs[R][0], outs[1][0], equal_nan=True), f"{name}: o with {R} heads a block"
         assert np.array_equal(outs[R][1], outs[1][1], equal_nan=True), f"{name}: (m, l) with {R} heads a block"
-    assert not np.isnan(outs[1][1]).any()
+    assert not np.isnan(outs[1][1][:, :, :16]).any() and np.isnan(outs[1][1][:, :, 16:]).all()   # 16 splits
     with pytest.raises(ValueError, match="heads a block"):
-        fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0, T, heads=4)
+        fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0, T, heads=4, tensor_cores=False)
 
 
 def test_argmax_rows(dev):

@@ -68,7 +68,7 @@ def main() -> None:
     print(f"decode step          {statistics.median(steps) * 1e3:8.3f} ms (median of {a.steps})")
     for name, v in samples.items():
         print(f"  {name:<44} {statistics.median(v) * 1e3:8.3f} ms a call, {len(v) / a.steps:.0f} a step")
-    _, graph = step._plans[(1, "advance", "last", ())]
+    _, graph = step._plans[step.plan_key(1, "advance", "last", state.n_past)]
     stream = cp.cuda.get_current_stream()
     calls = []
     for _ in range(20):

@@ -56,7 +56,7 @@ def _print_rows(title: str, agg: dict[str, list]) -> None:
 def profile_step(model: Qwen35Model, T: int, context) -> None:
     b, step = model.backend, model.gpu_step
     mode, logits = ("advance", "last") if T == 1 else ("verify", "all")
-    ops = step.ops_for(T, mode, logits)
+    ops = step.ops_for(T, mode, logits, n_keys=context.n_past + T)
     state = context.copy()
     step._bind(state)
     cp = b.xp if hasattr(b.xp, "cuda") else None

@@ -73,8 +73,8 @@ def timeline(model, T: int, context, reps: int) -> None:
     b, step = model.backend, model.gpu_step
     cp = b.xp
     mode, logits = ("advance", "last") if T == 1 else ("verify", "all")
-    ops = step.ops_for(T, mode, logits)
-    key = (T, mode, logits, ())
+    ops = step.ops_for(T, mode, logits, n_keys=context.n_past + T)
+    key = step.plan_key(T, mode, logits, context.n_past + T)
     timed = [op for op in ops if getattr(op, "kernel", None) is not None]   # launches that record
     state = context.copy()
     step._bind(state)
