@@ -257,6 +257,33 @@ def test_verify_and_chunked_prefill_equal_single_steps(models):
     assert ids.tolist() == lg_dec.argmax(1).tolist()
 
 
+def test_verify_equals_decode_where_the_attention_splits_grow(models):
+    """A captured step launches as many attention key splits as its longest row needs, so decode
+    moves to another graph as the context passes 2048 keys (16 -> 32 splits with tensor-core
+    attention) and a verify block straddling it runs with 32 while its first rows' decode steps ran
+    with 16: the rows must still be bit-identical. The long context is a state with 2040 positions
+    of random K/V cache (the DeltaNet states as they are: attention is what changes here)."""
+    name, kind, cpu, dev = models
+    step = dev.gpu_step
+    xp = dev.backend.xp
+    rng = np.random.default_rng(9)
+    base = dev.new_state(2100)
+    dev.forward(_prompt(dev.n_vocab, 8, seed=10), base)
+    for il in base.k_cache:
+        shape = base.k_cache[il].shape
+        for cache in (base.k_cache[il], base.v_cache[il]):
+            cache[:, 8:2040] = xp.asarray(rng.standard_normal((shape[0], 2032, shape[2])).astype(np.float32))
+    base.n_past = 2040
+    block = _prompt(dev.n_vocab, 16, seed=11)                 # rows of 2041 .. 2056 keys
+    s_dec = base.copy()
+    lg_dec = np.concatenate([dev.forward([t], s_dec, logits="all") for t in block], axis=0)
+    lg_ver, _, _ = dev.verify(block, base.copy())
+    assert np.array_equal(lg_ver, lg_dec), "verify rows must be bit-identical to decode steps"
+    if getattr(step, "att_tc", False):
+        used = {k[4] for k in step._plans if len(k) == 5}
+        assert {16, 32} <= used, f"plans by split count: {used}"
+
+
 def test_rollback_replays_exactly(models):
     name, kind, cpu, dev = models
     prompt = _prompt(dev.n_vocab, 12, seed=4)
