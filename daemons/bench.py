@@ -406,6 +406,18 @@ def copy_bandwidth(backend, nbytes: int) -> float:
     return 2.0 * n * 4 / best
 
 
+def _attention_kernels(step, n_keys: int) -> str | None:
+    """Which attention kernels the GPU step runs, and with how many key splits at n_keys keys."""
+    if not getattr(step, "attn_layers", None):
+        return None
+    from kernels.fused_gpu import ATT_SPLIT_CAP_FMA, ATT_SPLIT_CAP_TC, att_launch_splits
+    tc = step.att_tc
+    kind = ("tensor cores (attn_partial_tc; decode rows attn_partial_tcd)" if tc
+            else "FMA (attn_partial_g<R>)")
+    return (f"{kind}, {att_launch_splits(n_keys, tc)} key splits at {n_keys} keys "
+            f"(at most {ATT_SPLIT_CAP_TC if tc else ATT_SPLIT_CAP_FMA})")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
@@ -436,6 +448,8 @@ class BenchResult:
                 if "graph_device_ms" in d else "host         not measured (--no-profile)")]
         if d.get("pdl_error"):
             out.append(f"pdl          not used: {d['pdl_error']}")
+        if d.get("attention"):
+            out.append(f"attention    {d['attention']}")
         if "commit_ms" in d:
             out.insert(5, "rollback     " + ", ".join(f"W={w}: {ms:.2f} ms" for w, ms in d["commit_ms"].items())
                        + "  (commit of a verified block: replay of the kept prefix)")
@@ -659,6 +673,7 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
             "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"], "short_prompts": r["short_prompts"],
             "path": "gpu_step (CUDA graph per step)",
             "pdl": bool(getattr(b, "pdl_used", False)), "pdl_error": getattr(b, "pdl_error", None),
+            "attention": _attention_kernels(model.gpu_step, prefill + 1),
         })
         return BenchResult(data)
 

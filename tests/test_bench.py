@@ -236,6 +236,12 @@ def test_short_prompts_time_both_paths_and_restore_the_switch(tmp_path):
     assert {(n, t) for n, t in seen} == {(4, float("inf")), (4, 1), (8, float("inf")), (8, 1)}
     line = [l for l in BenchResult({"short_prompts": res, **_FAKE_FIGURES}).lines() if l.startswith("prompt 8")]
     assert line and "(the model runs it as wide)" in line[0]
+    # the attention line names the kernels the step runs and their key splits at the bench's context
+    from daemons.bench import _attention_kernels
+    att = _attention_kernels(model.gpu_step, 3000)
+    assert att.startswith("tensor cores" if model.gpu_step.att_tc else "FMA")
+    assert f"{32 if model.gpu_step.att_tc else 16} key splits at 3000 keys" in att
+    assert [l for l in BenchResult({"attention": att, **_FAKE_FIGURES}).lines() if l.startswith("attention ")]
 
     def broken(ids, state, **kw):
         raise RuntimeError("device lost")
