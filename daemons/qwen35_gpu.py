@@ -250,7 +250,7 @@ class Qwen35GpuStep:
             dst.set(host)
 
     # -- plans ----------------------------------------------------------------------------------
-    def _plan(self, T: int, mode: str, logits: str, capture: tuple[int, ...], splits: int = 0) -> list[Op]:
+    def _plan(self, T: int, mode: str, logits: str, capture: tuple[int, ...], splits: int) -> list[Op]:
         m, hp, fg, xp = self.model, self.hp, self.fg, self.xp
         eps, d = hp.rms_eps, self.d
         ops: list[Any] = []

@@ -682,12 +682,13 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) attn_qk_rope_kv(
 
 // ---------------------------------------------------------------------------------------------
 // attn_partial. Row t (position p = params[0] + t) attends to cache rows 0..p. Its n_split =
-// clamp(ceil((p+1) / ATT_SPLIT_KEYS), ATT_MIN_SPLITS, split_cap) splits (split_cap: 16 for these
-// kernels, ATT_MAX_SPLITS for the tensor-core ones, whose blocks walk a split in series) cover rows
-// [s*chunk, min((s+1)*chunk, p+1)), chunk = ceil((p+1)/n_split) rounded up to 16: a function of p
-// (and the kernel family) only, so a launch's grid may hold more splits than its rows use (a split
-// past a row's n_split is empty: l = 0). Partials live at [t][h][s] with a stride of
-// ATT_MAX_SPLITS, whatever the grid. Inside a split, warp w takes rows 4w.., 4 at a time (independent dot
+// clamp(ceil((p+1) / ATT_SPLIT_KEYS), ATT_MIN_SPLITS, split_cap) splits (split_cap, a kernel
+// argument: fused_gpu.py ATT_SPLIT_CAP_FMA = 16 for these kernels, ATT_SPLIT_CAP_TC = 64 for the
+// tensor-core ones, whose blocks walk a split in series) cover rows [s*chunk, min((s+1)*chunk,
+// p+1)), chunk = ceil((p+1)/n_split) rounded up to 16: a function of p (and the kernel family)
+// only, so a launch's grid may hold more splits than its rows use (a split past a row's n_split is
+// empty: l = 0). Partials live at [t][h][s] with a stride of ATT_MAX_SPLITS, whatever the grid.
+// Inside a split, warp w takes rows 4w.., 4 at a time (independent dot
 // products in flight), then 16 further; online softmax per warp, the warps merged in order. Writes
 // (m, l) and the unnormalised o of the split. 128 threads, D <= 256, D % 8 == 0.
 //

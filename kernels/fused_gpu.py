@@ -58,8 +58,9 @@ ATT_HEADS = (1, 2, 3)               # query heads a block of attn_partial can ta
 ATT_HEADS_DECODE = 1                # at most this many at T = 1, ATT_HEADS_WIDE at T > 1
 ATT_HEADS_WIDE = 3
 # attn_partial_tc / _tcd for every width (decode and verify must agree) where the head size allows.
-# H200, 27B (tests/bench/GPU_NOTES.md, twelfth session): verify graph W=16 -0.7 ms, W=23 -0.5 ms at
-# 512 keys and -6 ms at 16K (with the splits growing past 2K keys); decode +0.08 ms at 512 keys.
+# H200, 27B (tests/bench/GPU_NOTES.md, twelfth session; two runs): verify graph W=16-32 -0.3 to -0.7 ms
+# and W=23 -0.03 to -0.5 ms at 512 keys, W=23 -0.6 ms at 4K and -6 ms at 16K (with the splits growing
+# past 2K keys); decode +0.08 ms at 512 keys, +0.2 at 4K, +0.36 at 16K.
 ATT_TENSOR_CORES = True
 ATT_TC_S_LD = 24                    # fused.cu ATT_TC_S_LD: the score halves' row stride
 ATT_TCD_CHUNK = 2                   # fused.cu ATT_TCD_CHUNK: tiles a stage of attn_partial_tcd holds
