@@ -552,9 +552,12 @@ def test_deltanet_conv_token_blocks_give_the_same_bits(dev):
 # (d_k, d_v, T, nk, nv): gdn_recur stages up to 32 tokens per chunk, so T = 33 and 40 take two;
 # gdn_conv walks (token, channel) items, several per thread at d_k = 128 and T = 40 or d_k = 32 and
 # T = 150; d_v = 288 / 300 is a head wider than the block (its state loop), and the gate block's
-# items per thread per pass are exceeded at T * nv = 150 * 16.
+# items per thread per pass are exceeded at T * nv = 150 * 16. gdn_recur stages float4 pieces when
+# d_k, d_v and the record's row are multiples of 4: (6, 10) and (8, 8) with one value head (a row
+# of 26 floats) take its scalar path.
 DN_WIDE_CASES = ((32, 32, 40, 2, 4), (128, 128, 40, 2, 4), (32, 32, 150, 2, 16), (32, 288, 5, 2, 4),
-                 (256, 64, 40, 1, 2), (8, 16, 33, 2, 4), (16, 300, 2, 2, 4))
+                 (256, 64, 40, 1, 2), (8, 16, 33, 2, 4), (16, 300, 2, 2, 4),
+                 (6, 10, 9, 1, 3), (8, 8, 35, 1, 1))
 
 
 @pytest.mark.parametrize("dk, dv, T, nk, nv", DN_WIDE_CASES)
