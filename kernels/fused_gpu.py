@@ -40,7 +40,7 @@ SEG_DTYPE = np.dtype([("w", "<u8"), ("y", "<u8"), ("n_rows", "<i4"), ("n_tiles",
                       ("pad", "<i4")])
 GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
-GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r*: d_k <= GDN_PARTS * RPT
+GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r* (decode) / _w* (wider): d_k <= GDN_PARTS * RPT
 GDN_CHUNK = 32                      # fused.cu GDN_CHUNK: tokens staged at once (at most)
 GDN_CONV_TOKENS = 4                 # gdn_conv: tokens a block computes in a verify step
 # attn_partial's key splits (fused.cu, same names): a row of n keys takes clamp(ceil(n / ATT_SPLIT_KEYS),
@@ -491,7 +491,7 @@ class FusedGpu:
         rpt = next((r for r in GDN_RPT if GDN_PARTS * r >= dk), None)
         if rpt is None:
             raise ValueError(f"d_k = {dk} exceeds the kernel's {GDN_PARTS * GDN_RPT[-1]}")
-        kern = self._k("fused.cu", f"gdn_recur_r{rpt}")
+        kern = self._k("fused.cu", f"gdn_recur_{'r' if T == 1 and n_dev is None else 'w'}{rpt}")
         chunk = GDN_CHUNK if n_dev is not None else max(1, min(T, GDN_CHUNK))
         smem = 4 * chunk * (2 * GDN_PARTS * rpt + GDN_COLS + 2)     # staged q, k, v, decay, beta
         self._smem(kern, smem)

@@ -57,7 +57,8 @@ def clang() -> list[str]:
     return cmd
 
 FUSED_KERNELS = ("prep_rows", "gdn_conv", "gdn_recur_r1", "gdn_recur_r4", "gdn_recur_r8",
-                 "gdn_recur_r16", "gdn_recur_r32", "gdn_commit_conv", "gdn_out_prep", "attn_qk_rope_kv",
+                 "gdn_recur_r16", "gdn_recur_r32", "gdn_recur_w1", "gdn_recur_w4", "gdn_recur_w8",
+                 "gdn_recur_w16", "gdn_recur_w32", "gdn_commit_conv", "gdn_out_prep", "attn_qk_rope_kv",
                  "attn_partial_g1", "attn_partial_g2", "attn_partial_g3", "attn_partial_tc", "attn_partial_tcd",
                  "attn_combine_prep", "argmax_rows", "topk_row")
 OPS_KERNELS = ("norm_rows", "silu_mul_f32", "sigmoid_mul_f32", "rope_neox_f32", "causal_conv1d_silu_f32",
