@@ -473,6 +473,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 #define GDN_PARTS 8
 #define GDN_CHUNK 32
 #define GDN_THREADS (GDN_COLS * GDN_PARTS)
+#define GDN_ST_LD (GDN_COLS + 1)        // the state's staging row stride: conflict-free both ways
 
 template <int RPT, bool WIDE>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
@@ -567,11 +568,29 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
             if (out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
         }
     }
-    if (S_out != nullptr && col_ok) {
+    if (S_out != nullptr) {
+        // The state goes out through shared memory as whole rows of the block's columns: straight
+        // from the registers, a warp's store covered 8 rows x 16 bytes (8 half-used sectors), and
+        // the decode step's 3 MB a layer then held up the next launch (H200: a decode graph 0.17 ms
+        // shorter with no state written at all).
+        float* st = rsm;                          // [DKP][GDN_ST_LD], past the staged inputs' use
+        __syncthreads();                          // the last chunk's reads of the staged inputs are done
 #pragma unroll
-        for (int ii = 0; ii < RPT; ++ii) {
-            const int i = dn_row<RPT, GDN_PARTS>(part, ii);
-            if (i < dk) S_out[(size_t)i * dv + col] = s[ii];
+        for (int ii = 0; ii < RPT; ++ii) st[dn_row<RPT, GDN_PARTS>(part, ii) * GDN_ST_LD + lcol] = s[ii];
+        __syncthreads();
+        const int c0 = blockIdx.x * GDN_COLS;
+        if (((dv & 3) | ((unsigned long long)S_out & 15)) == 0) {
+            constexpr int CQ = GDN_COLS / 4;
+            for (int e = threadIdx.x; e < dk * CQ; e += GDN_THREADS) {
+                const int i = e / CQ, q = e - i * CQ, cc = c0 + 4 * q;
+                const float* r = st + i * GDN_ST_LD + 4 * q;
+                if (cc < dv) *(float4*)(S_out + (size_t)i * dv + cc) = make_float4(r[0], r[1], r[2], r[3]);
+            }
+        } else {
+            for (int e = threadIdx.x; e < dk * GDN_COLS; e += GDN_THREADS) {
+                const int i = e / GDN_COLS, c = e - i * GDN_COLS;
+                if (c0 + c < dv) S_out[(size_t)i * dv + c0 + c] = st[i * GDN_ST_LD + c];
+            }
         }
     }
 }
