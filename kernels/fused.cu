@@ -462,11 +462,12 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 // threads), each column's rows split over 8 adjacent threads, so that a token's dependent chain of
 // FMAs per thread is half as long (the recurrence of a verify block is that chain, token after
 // token, with ~2 warps a scheduler). The inputs of up to GDN_CHUNK tokens are staged in shared
-// memory at once (dynamic, sized by T: fused_gpu.py gdn_recur_smem), as float4 pieces where the
-// rows allow (a thread's loads for a 23-token block then go out together: W=23 graph -0.13 ms
-// against scalar loads in three rounds). Two blocks a multiprocessor (the bound keeps r16 at 114
-// registers; unbounded it took 137, one block a multiprocessor and two waves for the 27B's 192
-// blocks). The arithmetic of a token does not depend on T, so verify rows equal decode steps.
+// memory at once (dynamic, sized by T: fused_gpu.py op_gdn_recur); the wide kernels (below) stage
+// them as float4 pieces where the rows allow, so a thread's loads for a 23-token block go out
+// together (W=23 graph -0.13 ms against scalar loads in three rounds), bounded to two blocks a
+// multiprocessor (w16: 118 registers; unbounded it took 137, one block a multiprocessor and two
+// waves for the 27B's 192 blocks). The arithmetic of a token does not depend on T, so verify rows
+// equal decode steps.
 #define DN_SHFL_XOR(v, m) shfl_xor(v, m)
 #include "deltanet_step.cuh"
 #define GDN_COLS 32
