@@ -256,3 +256,42 @@ _FAKE_FIGURES = {"model": "m", "weights_gb": 1.0, "device": "cuda:0", "copy_GBps
                  "prefill_ms": 1.0, "prefill_tok_s": 1.0, "decode_tok_s": 1.0, "decode_ms": 1.0, "decode_steps": 1,
                  "context": 1, "verify_ms": {}, "bytes_per_step": 1, "bound_ms": 1.0, "bound_fraction": 1.0,
                  "host_overhead_ms": 0.0, "ops": []}
+
+
+AB_LOG = """\
+== /work/main
+host         0.160 ms/step of host overhead (decode step 6.783 ms - 6.622 ms device time of its CUDA graph, programmatic dependent launch)
+verify graph W=1: 6.64 ms, W=16: 9.42 ms, W=23: 10.90 ms  (device time of each verify step's CUDA graph)
+== tests/bench/tmp_ab/ds
+decode 144.78 tok/s
+host         0.215 ms/step of host overhead (decode step 6.930 ms - 6.715 ms device time of its CUDA graph, programmatic dependent launch)
+verify graph W=1: 6.66 ms, W=16: 9.29 ms, W=23: 10.97 ms  (device time of each verify step's CUDA graph)
+== /work/main
+host         0.093 ms/step of host overhead (decode step 6.718 ms - 6.626 ms device time of its CUDA graph, programmatic dependent launch)
+verify graph W=1: 6.65 ms, W=16: 9.28 ms, W=23: 10.96 ms  (device time of each verify step's CUDA graph)
+== tests/bench/tmp_ab/ds
+host         0.085 ms/step of host overhead (decode step 6.807 ms - 6.723 ms device time of its CUDA graph, programmatic dependent launch)
+== /work/main
+verify graph W=1: 6.63 ms, W=16: 9.26 ms, W=23: 10.78 ms  (device time of each verify step's CUDA graph)
+"""
+
+
+def test_ab_summary_reads_graph_times_per_build():
+    """tests/bench/ab_summary.py: the graph times of each `== TREE` section go to that build, in round
+    order (a build's later sections add rounds, a section missing a line adds nothing), and the table
+    reads every build against the first (the checkout)."""
+    from tests.bench.ab_summary import parse, table
+    builds = parse(AB_LOG.splitlines(True))
+    assert list(builds) == ["/work/main", "tests/bench/tmp_ab/ds"]
+    assert builds["/work/main"] == {"decode": [6.622, 6.626], "W=1": [6.64, 6.65, 6.63],
+                                    "W=16": [9.42, 9.28, 9.26], "W=23": [10.90, 10.96, 10.78]}
+    assert builds["tests/bench/tmp_ab/ds"] == {"decode": [6.715, 6.723], "W=1": [6.66], "W=16": [9.29],
+                                               "W=23": [10.97]}
+    lines = table(builds).splitlines()
+    assert lines[0].split() == ["build", "rounds", "decode", "ms", "W=1", "ms", "W=16", "ms", "W=23", "ms"]
+    assert lines[1].split()[:3] == ["/work/main", "3", "6.624"]
+    ds = lines[2].split()
+    # decode median 6.719 against 6.624; W=23 10.97 against the checkout's median 10.90
+    assert ds[:5] == ["tests/bench/tmp_ab/ds", "2", "6.719", "(6.715-6.723)", "+0.095"]
+    assert ds[-2:] == ["(10.970-10.970)", "+0.070"]
+    assert "no `== TREE`" in table(parse(["decode 140 tok/s\n"]))

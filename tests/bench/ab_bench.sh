@@ -7,6 +7,10 @@
 #   mkdir -p tests/bench/tmp_ab/main_tree && git archive main kernels daemons protocol router | tar -x -C tests/bench/tmp_ab/main_tree
 # in a folder git ignores, carried to the GPU machine with the run (carry: [".whl", "tests/bench/tmp_ab"]).
 # BENCH_ARGS: more bench options for every run (e.g. "--no-profile --widths 1,23,32": shorter runs).
+# CONTROL=1 adds an identical copy of this checkout as one more build: in one machine session a build
+# can run ~0.2 ms fast at W=23 for the whole call (GPU_NOTES, fourteenth session), so a lone difference
+# of that size needs the control beside it. At the end, tests/bench/ab_summary.py prints the graph
+# times per build (median, range, difference against this checkout).
 set -u
 [ $# -ge 1 ] || { echo "usage: ROUNDS=2 tests/bench/ab_bench.sh OTHER_TREE [OTHER_TREE...]" >&2; exit 2; }
 rounds="${ROUNDS:-2}"
@@ -14,10 +18,20 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 bench=(python3 -m daemons.cli bench --synthetic qwen35-27b-q4km --device cuda:0 --synthetic-path /tmp/qwen35-27b-q4km.gguf ${BENCH_ARGS:-})
+trees=("$PWD" "$@")
+if [ "${CONTROL:-0}" = 1 ]; then
+    control="$(mktemp -d)/control"
+    mkdir -p "$control" && tar --exclude=tests/bench/tmp_ab -cf - kernels daemons protocol router tests setup.cfg \
+        | tar -x -C "$control"
+    trees+=("$control")
+fi
+log="$(mktemp)"
 for _ in $(seq "$rounds"); do
-    for tree in "$PWD" "$@"; do
+    for tree in "${trees[@]}"; do
         echo "== $tree"
         (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout 150 "${bench[@]}" 2>&1) \
             | grep -E "^(prefill|decode|verify|rollback|graph|host) " | grep -v -e "tok/s (" -e "^verify  "
     done
-done
+done | tee "$log"
+echo
+python3 tests/bench/ab_summary.py < "$log"
