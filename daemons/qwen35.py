@@ -288,7 +288,8 @@ class _Layer:
 class Qwen35State:
     """Everything a sequence carries between forward calls, as backend arrays:
     `k_cache[il]`, `v_cache[il]` [n_head_kv, max_ctx, head_dim] per attention layer,
-    `conv[il]` [conv_kernel-1, C] (row 0 oldest) and `ssm[il]` [n_v, d_k, d_v] per DeltaNet layer,
+    `conv[il]` [conv_kernel-1, C] (row 0 oldest) and `ssm[il]` [n_v, d_v, d_k] per DeltaNet layer (the
+    delta rule's S transposed per head, kernels/deltanet.py),
     and `n_past`, the number of tokens already processed."""
 
     def __init__(self, hp: Qwen35HParams, backend: Any, max_ctx: int):
@@ -302,7 +303,7 @@ class Qwen35State:
                         for il in hp.attention_layers}
         self.conv = {il: xp.zeros((hp.conv_kernel - 1, hp.conv_channels), dtype=xp.float32)
                      for il in hp.deltanet_layers}
-        self.ssm = {il: xp.zeros((hp.ssm_n_v_heads, hp.d_k, hp.d_v), dtype=xp.float32)
+        self.ssm = {il: xp.zeros((hp.ssm_n_v_heads, hp.d_v, hp.d_k), dtype=xp.float32)
                     for il in hp.deltanet_layers}
 
     def _arrays(self) -> dict[str, Any]:
@@ -380,7 +381,7 @@ class Qwen35State:
 class VerifyRecord:
     """What `Qwen35Model.verify` keeps so that `rollback` can cut the state back to any prefix of the
     block: the state's n_past before the block, and per DeltaNet layer the delta-rule state before the
-    block, the float32 state after each token [T, H_v, d_k, d_v] (memory: T times one layer's state),
+    block, the float32 state after each token [T, H_v, d_v, d_k] (memory: T times one layer's state),
     and the conv inputs [K-1+T, C] (the conv state before the block followed by the block's inputs)."""
 
     n_past0: int
@@ -388,7 +389,7 @@ class VerifyRecord:
     ssm_before: dict[int, Any]
     ssm_after: dict[int, Any]          # views [T, ...] of ssm_buffers
     conv_inputs: dict[int, Any]
-    ssm_buffers: dict[int, Any]        # [capacity >= T, H_v, d_k, d_v], reusable by the next verify
+    ssm_buffers: dict[int, Any]        # [capacity >= T, H_v, d_v, d_k], reusable by the next verify
 
 
 # ------------------------------------------------------------------------------------------------
@@ -567,7 +568,7 @@ class Qwen35Model:
         if reuse is not None and all(il in reuse.ssm_buffers and reuse.ssm_buffers[il].shape[0] >= T for il in layers):
             buffers = reuse.ssm_buffers
         else:
-            buffers = {il: xp.empty((T, hp.ssm_n_v_heads, hp.d_k, hp.d_v), dtype=xp.float32) for il in layers}
+            buffers = {il: xp.empty((T, hp.ssm_n_v_heads, hp.d_v, hp.d_k), dtype=xp.float32) for il in layers}
         record = VerifyRecord(n_past0=state.n_past, n_tokens=T,
                               ssm_before={il: state.ssm[il].copy() for il in layers},
                               ssm_after={il: buffers[il][:T] for il in layers}, conv_inputs={},

@@ -138,7 +138,7 @@ class Qwen35GpuStep:
             # verify records, per DeltaNet layer
             self.rec_qkv = {il: xp.zeros((self.Kc - 1 + MAX_T, self.C), dtype=f32) for il in self.dn_layers}
             self.rec_in = {il: xp.zeros((MAX_T, self.R), dtype=f32) for il in self.dn_layers}
-            self.bak = {il: xp.zeros((self.nv, self.dk, self.dv), dtype=f32) for il in self.dn_layers}
+            self.bak = {il: xp.zeros((self.nv, self.dv, self.dk), dtype=f32) for il in self.dn_layers}
         if self.attn_layers:
             from kernels.fused_gpu import ATT_MAX_SPLITS
             self.att_tc = self.fg.att_tensor_cores(self.D)      # the family decode and verify both take

@@ -20,7 +20,7 @@ state and ℓ the pending token (sampled, not yet fed):
    checkpoints the verify stored, and the drafter gets the features of the committed positions.
 
 **Rollback: per-token float32 checkpoints, not snapshot-and-replay.** The verify keeps, per DeltaNet
-layer, the state after every block token ([T, H_v, d_k, d_v] float32: T times one layer's state, e.g.
+layer, the state after every block token ([T, H_v, d_v, d_k] float32: T times one layer's state, e.g.
 ~2.4 GB per 16-token block on the 27B: 48 DeltaNet layers x 3 MB x 16) and the conv inputs; rollback copies one
 checkpoint and three conv rows per layer. It costs no second forward (replay would re-run a+1 tokens
 on every partially accepted step) and is exact: the rolled-back state is bit-for-bit the state

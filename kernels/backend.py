@@ -11,8 +11,10 @@ Conventions every implementation follows:
   handle; `matmul(x, w)` computes `x @ W.T` (W in numpy shape (n_out, n_in), i.e. ggml ne=[n_in, n_out]).
 - Small vectors (norm weights, biases, per-head scalars) are loaded with `load_vector` as float32.
 - Heads are the second-to-last axis: `q[T, H, D]`.
-- The Gated DeltaNet state of one layer is `S[H_v, d_k, d_v]` float32 (HF's layout: S[h] maps keys to
-  values; ggml stores the transpose). V-head h reads k-head `h % H_k` (GGUF tiled order).
+- The Gated DeltaNet state of one layer is `state[H_v, d_v, d_k]` float32: per head the transpose of
+  HF's S[h] (which maps keys to values), as ggml stores it; a value column's d_k entries are
+  contiguous, which the GPU recurrence reads and writes as whole lines (kernels/deltanet.py).
+  V-head h reads k-head `h % H_k` (GGUF tiled order).
 - The attention KV cache of one layer is `k_cache[H_kv, ctx, D]`, `v_cache[H_kv, ctx, D]` float32.
 - Reductions for norms accumulate in float32 at least; results must match the CPU backend to
   1e-3 relative (the GPU tests hold them to that).
@@ -85,10 +87,10 @@ class Backend(Protocol):
 
     def deltanet_recurrent(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,
                            checkpoints: Any | None = None) -> Any:
-        """Gated delta rule, token by token (math §3.6), updating `state[H_v, d_k, d_v]` in place.
+        """Gated delta rule, token by token (math §3.6), updating `state[H_v, d_v, d_k]` (Sᵀ) in place.
         q, k: [T, H_k, d_k] already L2-normalised (q NOT yet scaled: the kernel scales by 1/sqrt(d_k));
         v: [T, H_v, d_v]; g (log-decay, <= 0) and beta: [T, H_v]. Returns o[T, H_v, d_v].
-        If `checkpoints` [T, H_v, d_k, d_v] is given, the state after each token is stored there
+        If `checkpoints` [T, H_v, d_v, d_k] is given, the state after each token is stored there
         (f32, for exact speculative rollback)."""
 
     def deltanet_chunked(self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,

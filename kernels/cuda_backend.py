@@ -735,15 +735,15 @@ class CudaBackend:
             raise BackendError(f"deltanet: {h_v} value heads is not a multiple of {h_k} key heads")
         if g.shape != (n_t, h_v) or beta.shape != (n_t, h_v):
             raise BackendError(f"deltanet: g and beta must be [T={n_t}, H_v={h_v}], got {g.shape} and {beta.shape}")
-        if (not isinstance(state, cp.ndarray) or state.shape != (h_v, d_k, d_v) or state.dtype != cp.float32
+        if (not isinstance(state, cp.ndarray) or state.shape != (h_v, d_v, d_k) or state.dtype != cp.float32
                 or not state.flags.c_contiguous):
-            raise BackendError(f"deltanet: state must be a C-contiguous float32 device array [{h_v}, {d_k}, {d_v}] "
-                               f"(updated in place), got {_shape_str(state)}")
+            raise BackendError(f"deltanet: state must be a C-contiguous float32 device array [H_v={h_v}, d_v={d_v}, "
+                               f"d_k={d_k}] (Sᵀ per head, updated in place), got {_shape_str(state)}")
         if checkpoints is not None and (
-                not isinstance(checkpoints, cp.ndarray) or checkpoints.shape != (n_t, h_v, d_k, d_v)
+                not isinstance(checkpoints, cp.ndarray) or checkpoints.shape != (n_t, h_v, d_v, d_k)
                 or checkpoints.dtype != cp.float32 or not checkpoints.flags.c_contiguous):
             raise BackendError(f"deltanet: checkpoints must be a C-contiguous float32 device array "
-                               f"[{n_t}, {h_v}, {d_k}, {d_v}], got {_shape_str(checkpoints)}")
+                               f"[{n_t}, {h_v}, {d_v}, {d_k}], got {_shape_str(checkpoints)}")
         rpt = next((r for r in _DELTANET_RPT if DELTANET_PARTS * r >= d_k), None)
         if rpt is None:
             raise BackendError(f"deltanet: d_k = {d_k} exceeds the kernel's {DELTANET_PARTS * _DELTANET_RPT[-1]}")

@@ -1,13 +1,14 @@
 // Gated DeltaNet recurrent step (qwen35 math §3.6), token by token, state updated in place.
 //
-// Per token t and v-head h (k-head kh = h % H_k, GGUF tiled order), with S = state[h] (d_k x d_v):
+// Per token t and v-head h (k-head kh = h % H_k, GGUF tiled order), with S (d_k x d_v) = state[h]^T:
 //     S     <- exp(g[t,h]) * S                       (decay)
 //     delta  = beta[t,h] * (v[t,h] - S^T k[t,kh])    (read)
 //     S     <- S + k[t,kh] delta^T                   (write)
 //     o[t,h] = S^T q[t,kh] * scale                   (output; reads the updated S; scale = 1/sqrt(d_k))
 //
 // Layouts (row-major, f32): q, k [T, H_k, d_k]; v, o [T, H_v, d_v]; g, beta [T, H_v];
-// state [H_v, d_k, d_v]; optional checkpoints [T, H_v, d_k, d_v] (the state after each token).
+// state [H_v, d_v, d_k] (S^T per head: a column's rows contiguous, kernels/deltanet.py); optional
+// checkpoints [T, H_v, d_v, d_k] (the state after each token).
 //
 // Mapping: a block owns DN_COLS value columns of one head; each column is split over DN_PARTS
 // adjacent threads holding its state rows in registers for the whole call (kernels/
@@ -45,14 +46,10 @@ __device__ __forceinline__ void deltanet_recurrent_impl(
     const int col = blockIdx.x * DN_COLS + lcol;
     const int part = threadIdx.x % DN_PARTS;
     const bool col_ok = col < d_v;
-    float* S = state + (size_t)h * d_k * d_v;
+    float* Sc = state + ((size_t)h * d_v + (col_ok ? col : 0)) * d_k;    // this lane's column
 
     float s[RPT];
-#pragma unroll
-    for (int ii = 0; ii < RPT; ++ii) {
-        const int i = dn_row<RPT>(part, ii);
-        s[ii] = (col_ok && i < d_k) ? S[(size_t)i * d_v + col] : 0.0f;
-    }
+    dn_col_load<RPT>(s, Sc, part, d_k, col_ok);
 
     for (int c0 = 0; c0 < T; c0 += DN_CHUNK) {
         const int n = min(DN_CHUNK, T - c0);
@@ -76,24 +73,12 @@ __device__ __forceinline__ void deltanet_recurrent_impl(
             const int t = c0 + tt;
             const float o = dn_token<RPT>(s, sk[tt], sq[tt], sv[tt][lcol], sdecay[tt], sbeta[tt], part);
             if (col_ok && part == 0) out[((size_t)t * H_v + h) * d_v + col] = o * scale;
-            if (checkpoints != nullptr && col_ok) {
-                float* C = checkpoints + ((size_t)t * H_v + h) * d_k * d_v;
-#pragma unroll
-                for (int ii = 0; ii < RPT; ++ii) {
-                    const int i = dn_row<RPT>(part, ii);
-                    if (i < d_k) C[(size_t)i * d_v + col] = s[ii];
-                }
-            }
+            if (checkpoints != nullptr && col_ok)
+                dn_col_store<RPT>(checkpoints + (((size_t)t * H_v + h) * d_v + col) * d_k, s, part, d_k);
         }
     }
 
-    if (col_ok) {
-#pragma unroll
-        for (int ii = 0; ii < RPT; ++ii) {
-            const int i = dn_row<RPT>(part, ii);
-            if (i < d_k) S[(size_t)i * d_v + col] = s[ii];
-        }
-    }
+    if (col_ok) dn_col_store<RPT>(Sc, s, part, d_k);
 }
 
 #define DN_ARGS const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, \

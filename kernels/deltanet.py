@@ -8,6 +8,10 @@ token t, with q̂, k̂ L2-normalised and the state S_h ∈ R^{d_k×d_v}:
     S ← S + k̂_t δᵀ                          write
     o_t[h] = Sᵀ q̂_t / √d_k                  output (reads the updated S)
 
+The state is stored transposed: `state[h]` is S_hᵀ, [d_v, d_k] (row j: value column j's d_k
+entries), so that the GPU's lanes, which each hold a run of one column's rows, read and write it
+in whole 16-byte pieces (kernels/fused.cu gdn_recur); every backend and snapshot shares it.
+
 `deltanet_recurrent` does exactly that, token by token, and is the ground truth: it is what
 decode and speculative verify run (it can store the state after every token for rollback).
 `deltanet_chunked` computes the same thing for a long prompt with the chunked/parallel form
@@ -50,8 +54,9 @@ def check_deltanet_shapes(q, k, v, g, beta, state) -> tuple[int, int, int, int, 
         raise ValueError(f"deltanet: {H_v} value heads is not a multiple of {H_k} key heads")
     if g.shape != (T, H_v) or beta.shape != (T, H_v):
         raise ValueError(f"deltanet: g and beta must be [T={T}, H_v={H_v}], got {g.shape} and {beta.shape}")
-    if state.shape != (H_v, d_k, d_v) or state.dtype != np.float32:
-        raise ValueError(f"deltanet: state must be float32 [{H_v}, {d_k}, {d_v}], got {state.dtype}{list(state.shape)}")
+    if state.shape != (H_v, d_v, d_k) or state.dtype != np.float32:
+        raise ValueError(f"deltanet: state must be float32 [H_v={H_v}, d_v={d_v}, d_k={d_k}] (Sᵀ per head), "
+                         f"got {state.dtype}{list(state.shape)}")
     return T, H_k, d_k, H_v, d_v
 
 
@@ -62,7 +67,11 @@ def _recurrent_kernel(q, k, v, g, beta, state, out, checkpoints, store_checkpoin
     scale = np.float32(1.0 / math.sqrt(d_k))
     for h in numba.prange(H_v):
         kh = h % H_k
-        S = state[h]
+        St = state[h]                    # Sᵀ [d_v, d_k]: worked on as S [d_k, d_v], whose inner
+        S = np.empty((d_k, d_v), dtype=np.float32)   # loops over the value columns vectorise
+        for j in range(d_v):
+            for i in range(d_k):
+                S[i, j] = St[j, i]
         kv = np.empty(d_v, dtype=np.float32)
         delta = np.empty(d_v, dtype=np.float32)
         o = np.empty(d_v, dtype=np.float32)
@@ -92,17 +101,20 @@ def _recurrent_kernel(q, k, v, g, beta, state, out, checkpoints, store_checkpoin
             for j in range(d_v):
                 out[t, h, j] = o[j]
             if store_checkpoints:
-                for i in range(d_k):
-                    for j in range(d_v):
-                        checkpoints[t, h, i, j] = S[i, j]
+                for j in range(d_v):
+                    for i in range(d_k):
+                        checkpoints[t, h, j, i] = S[i, j]
+        for j in range(d_v):
+            for i in range(d_k):
+                St[j, i] = S[i, j]
 
 
 def deltanet_recurrent(q, k, v, g, beta, state, checkpoints=None) -> np.ndarray:
     """Token-by-token gated delta rule; see the module docstring and `kernels.backend`.
 
     q, k [T, H_k, d_k] L2-normalised (q not scaled), v [T, H_v, d_v], g, beta [T, H_v];
-    `state` [H_v, d_k, d_v] float32 is updated in place. Returns o [T, H_v, d_v] float32.
-    `checkpoints` [T, H_v, d_k, d_v] float32, when given, receives the state after each token."""
+    `state` [H_v, d_v, d_k] float32 (Sᵀ per head) is updated in place. Returns o [T, H_v, d_v]
+    float32. `checkpoints` [T, H_v, d_v, d_k] float32, when given, receives the state after each token."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     k = np.ascontiguousarray(k, dtype=np.float32)
     v = np.ascontiguousarray(v, dtype=np.float32)
@@ -116,9 +128,9 @@ def deltanet_recurrent(q, k, v, g, beta, state, checkpoints=None) -> np.ndarray:
         ckpt = np.empty((0, 0, 0, 0), dtype=np.float32)
         store = False
     else:
-        if (checkpoints.shape != (T, H_v, d_k, d_v) or checkpoints.dtype != np.float32
+        if (checkpoints.shape != (T, H_v, d_v, d_k) or checkpoints.dtype != np.float32
                 or not checkpoints.flags.c_contiguous):
-            raise ValueError(f"deltanet: checkpoints must be C-contiguous float32 [{T}, {H_v}, {d_k}, {d_v}], "
+            raise ValueError(f"deltanet: checkpoints must be C-contiguous float32 [{T}, {H_v}, {d_v}, {d_k}], "
                              f"got {checkpoints.dtype}{list(checkpoints.shape)}")
         ckpt, store = checkpoints, True
     if T:
@@ -158,7 +170,7 @@ def deltanet_chunked(q, k, v, g, beta, state, chunk_size: int = 64) -> np.ndarra
     V = np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float64)
     G = np.ascontiguousarray(g.T, dtype=np.float64)
     B = np.ascontiguousarray(beta.T, dtype=np.float64)
-    S = state.astype(np.float64)
+    S = state.transpose(0, 2, 1).astype(np.float64)                  # [H, d_k, d_v]
     for c0 in range(0, T, chunk_size):
         c1 = min(c0 + chunk_size, T)
         C = c1 - c0
@@ -179,7 +191,7 @@ def deltanet_chunked(q, k, v, g, beta, state, chunk_size: int = 64) -> np.ndarra
         out[c0:c1] = O.transpose(1, 0, 2)
         tail = np.exp(gamma[:, -1:] - gamma)                          # e^{γ_C − γ_t}
         S = np.exp(gamma[:, -1])[:, None, None] * S + (Kc * tail[:, :, None]).transpose(0, 2, 1) @ Vp
-    state[...] = S
+    state[...] = S.transpose(0, 2, 1)
     return out
 
 

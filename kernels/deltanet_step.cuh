@@ -66,3 +66,40 @@ __device__ __forceinline__ float dn_token(float (&s)[RPT], const float* sk, cons
     for (int m = 1; m < PARTS; m <<= 1) o += DN_SHFL_XOR(o, m);
     return o;
 }
+
+// The state is stored transposed ([head][column][row], kernels/deltanet.py), so a column's d_k
+// rows are contiguous at sc and a lane's groups of 4 rows are 16-byte pieces: the PARTS lanes of a
+// column cover 16 * PARTS contiguous bytes, whole sectors. ok = 0: zeros (a column past d_v).
+template <int RPT, int PARTS = DN_PARTS>
+__device__ __forceinline__ void dn_col_load(float (&s)[RPT], const float* sc, int part, int dk, bool ok) {
+    if (DnRows<RPT>::W == 4 && ((dk & 3) | ((unsigned long long)sc & 15)) == 0) {
+#pragma unroll
+        for (int m = 0; m < RPT / 4; ++m) {
+            const int i = dn_row<RPT, PARTS>(part, 4 * m);
+            const float4 v = (ok && i < dk) ? *(const float4*)(sc + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            s[4 * m] = v.x; s[4 * m + 1] = v.y; s[4 * m + 2] = v.z; s[4 * m + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int ii = 0; ii < RPT; ++ii) {
+            const int i = dn_row<RPT, PARTS>(part, ii);
+            s[ii] = (ok && i < dk) ? sc[i] : 0.0f;
+        }
+    }
+}
+template <int RPT, int PARTS = DN_PARTS>
+__device__ __forceinline__ void dn_col_store(float* sc, const float (&s)[RPT], int part, int dk) {
+    if (DnRows<RPT>::W == 4 && ((dk & 3) | ((unsigned long long)sc & 15)) == 0) {
+#pragma unroll
+        for (int m = 0; m < RPT / 4; ++m) {
+            const int i = dn_row<RPT, PARTS>(part, 4 * m);
+            if (i < dk) *(float4*)(sc + i) = make_float4(s[4 * m], s[4 * m + 1], s[4 * m + 2], s[4 * m + 3]);
+        }
+    } else {
+#pragma unroll
+        for (int ii = 0; ii < RPT; ++ii) {
+            const int i = dn_row<RPT, PARTS>(part, ii);
+            if (i < dk) sc[i] = s[ii];
+        }
+    }
+}

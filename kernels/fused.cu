@@ -455,7 +455,8 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 
 // ---------------------------------------------------------------------------------------------
 // gdn_recur. Per layer slot z (grid.z): tbl[4z + 0] rec[T][R] (gdn_conv's output), [1] the state
-// read (d_k x d_v per head), [2] the state written (0: none), [3] a copy of the state read (0: none).
+// read ([nv][d_v][d_k]: S^T per head, kernels/deltanet.py), [2] the state written (0: none), [3] a
+// copy of the state read (0: none).
 // T = *n_dev when n_dev is not null (commit: n_keep from the params block). out [T][nv*dv] may be
 // null (commit). Mapping and token step as kernels/deltanet.cu (kernels/deltanet_step.cuh), with
 // GDN_PARTS = 8 lanes a column instead of 4: a block owns 32 value columns of one head (256
@@ -474,7 +475,6 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
 #define GDN_PARTS 8
 #define GDN_CHUNK 32
 #define GDN_THREADS (GDN_COLS * GDN_PARTS)
-#define GDN_ST_LD (GDN_COLS + 1)        // the state's staging row stride: conflict-free both ways
 
 template <int RPT, bool WIDE>
 __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restrict__ tbl, int T,
@@ -501,19 +501,15 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
     // Rows staged as float4 when every piece starts on 16 bytes (the 27B: d_k = d_v = 128).
     const bool vec = WIDE && ((R | dk | dv) & 3) == 0 && ((unsigned long long)rec & 15) == 0;
 
+    // The state is stored transposed, [head][column][row] (kernels/deltanet.py: S^T per head), so a
+    // lane's rows of its column are 16-byte pieces and a warp's loads and stores cover whole lines
+    // (deltanet_step.cuh dn_col_load; in the [row][column] layout a warp's access was 8 rows x 16
+    // bytes: 8 half-used sectors, which cost the decode step ~0.1 ms even written through shared
+    // memory, and verify's backup its read and write).
+    const size_t cbase = (size_t)(col_ok ? col : 0) * dk;
     float s[RPT];
-#pragma unroll
-    for (int ii = 0; ii < RPT; ++ii) {                  // all loads first: a store in between could alias
-        const int i = dn_row<RPT, GDN_PARTS>(part, ii);
-        s[ii] = (col_ok && i < dk) ? S_in[(size_t)i * dv + col] : 0.0f;
-    }
-    if (S_bak != nullptr && col_ok) {
-#pragma unroll
-        for (int ii = 0; ii < RPT; ++ii) {
-            const int i = dn_row<RPT, GDN_PARTS>(part, ii);
-            if (i < dk) S_bak[(size_t)i * dv + col] = s[ii];
-        }
-    }
+    dn_col_load<RPT, GDN_PARTS>(s, S_in + cbase, part, dk, col_ok);
+    if (S_bak != nullptr && col_ok) dn_col_store<RPT, GDN_PARTS>(S_bak + cbase, s, part, dk);
     // Only now the wait: the state (and its backup) is written by no earlier launch of the step,
     // only by this one (advance) or by a graph that ran before (commit reads verify's backup), so
     // its loads from DRAM overlap the end of gdn_conv instead of following it.
@@ -569,32 +565,7 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
             if (out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
         }
     }
-    if (S_out != nullptr) {
-        // The state goes out through shared memory as whole rows of the block's columns: straight
-        // from the registers, a warp's store covered 8 rows x 16 bytes (8 half-used sectors), and
-        // the decode step's 3 MB a layer then held up the next launch (H200, 27B: the decode graph
-        // 0.17 ms shorter with no state written at all, 0.10 ms shorter written this way). Reading
-        // the state the same way (before the wait) made decode 0.09 ms slower again: left as it is.
-        float* st = rsm;                          // [DKP][GDN_ST_LD], past the staged inputs' use
-        __syncthreads();                          // the last chunk's reads of the staged inputs are done
-#pragma unroll
-        for (int ii = 0; ii < RPT; ++ii) st[dn_row<RPT, GDN_PARTS>(part, ii) * GDN_ST_LD + lcol] = s[ii];
-        __syncthreads();
-        const int c0 = blockIdx.x * GDN_COLS;
-        if (((dv & 3) | ((unsigned long long)S_out & 15)) == 0) {
-            constexpr int CQ = GDN_COLS / 4;
-            for (int e = threadIdx.x; e < dk * CQ; e += GDN_THREADS) {
-                const int i = e / CQ, q = e - i * CQ, cc = c0 + 4 * q;
-                const float* r = st + i * GDN_ST_LD + 4 * q;
-                if (cc < dv) *(float4*)(S_out + (size_t)i * dv + cc) = make_float4(r[0], r[1], r[2], r[3]);
-            }
-        } else {
-            for (int e = threadIdx.x; e < dk * GDN_COLS; e += GDN_THREADS) {
-                const int i = e / GDN_COLS, c = e - i * GDN_COLS;
-                if (c0 + c < dv) S_out[(size_t)i * dv + c0 + c] = st[i * GDN_ST_LD + c];
-            }
-        }
-    }
+    if (S_out != nullptr && col_ok) dn_col_store<RPT, GDN_PARTS>(S_out + cbase, s, part, dk);
 }
 
 #define GDN_ARGS const unsigned long long* __restrict__ tbl, int T, const int* __restrict__ n_dev, \

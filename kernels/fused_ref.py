@@ -112,7 +112,7 @@ def gdn_conv_ref(qkv: np.ndarray, conv_state: np.ndarray, conv_w: np.ndarray, ab
 
 
 def gdn_recur_ref(rec: np.ndarray, state: np.ndarray, nk: int, nv: int, dk: int, dv: int) -> np.ndarray:
-    """o [T, nv*dv]; `state` [nv, dk, dv] is advanced in place."""
+    """o [T, nv*dv]; `state` [nv, dv, dk] (Sᵀ per head) is advanced in place."""
     T = rec.shape[0]
     C = 2 * nk * dk + nv * dv
     q = rec[:, :nk * dk].reshape(T, nk, dk)

@@ -3,7 +3,8 @@
 Guards: a wrong order of decay / read / write / output, the wrong k-head for a v-head (tiled
 `h % H_k`, not grouped `h // r`), a chunked form that drifts from the recurrence (within a chunk,
 across chunk boundaries, in a short last chunk, from a non-zero initial state, under strong decay),
-and per-token checkpoints that are not the state after that token.
+and per-token checkpoints that are not the state after that token; a state stored untransposed
+(it is Sᵀ per head, [H_v, d_v, d_k], what the GPU kernels read as whole lines).
 """
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from kernels.cpu_backend import CPUBackend
 
 def reference_f64(q, k, v, g, beta, S0):
     """Math spec §3.6 in float64, literally: per token and v-head h (k-head h % H_k)
-    S ← e^g S; δ = β (v − Sᵀk); S ← S + k δᵀ; o = Sᵀ q / √d_k. Returns (o, states after each token)."""
+    S ← e^g S; δ = β (v − Sᵀk); S ← S + k δᵀ; o = Sᵀ q / √d_k. S0 and the states returned after
+    each token are stored as the kernels store them (Sᵀ per head). Returns (o, states)."""
     T, H_k, d_k = q.shape
     H_v = v.shape[1]
-    S = S0.astype(np.float64).copy()
+    S = S0.transpose(0, 2, 1).astype(np.float64)             # [H_v, d_k, d_v]
     o = np.zeros(v.shape, dtype=np.float64)
-    states = np.zeros((T,) + S.shape)
+    states = np.zeros((T,) + S0.shape)
     for t in range(T):
         for h in range(H_v):
             kk = k[t, h % H_k].astype(np.float64)
@@ -32,7 +34,7 @@ def reference_f64(q, k, v, g, beta, S0):
             delta = beta[t, h] * (v[t, h] - S[h].T @ kk)
             S[h] += np.outer(kk, delta)
             o[t, h] = S[h].T @ qq / math.sqrt(d_k)
-        states[t] = S
+        states[t] = S.transpose(0, 2, 1)
     return o, states
 
 
@@ -44,7 +46,7 @@ def random_inputs(rng, T, H_k=2, H_v=4, d_k=16, d_v=8, strong_decay=False):
     if strong_decay:  # e^g underflows in float32 for a few tokens: the chunked form must not divide by Γ
         g[rng.random((T, H_v)) < 0.1] = -60.0
     beta = rng.uniform(0.05, 1.0, size=(T, H_v)).astype(np.float32)
-    S0 = (0.5 * rng.standard_normal((H_v, d_k, d_v))).astype(np.float32)
+    S0 = (0.5 * rng.standard_normal((H_v, d_v, d_k))).astype(np.float32)      # stored: Sᵀ per head
     return q, k, v, g, beta, S0
 
 
@@ -81,7 +83,7 @@ def test_recurrent_matches_float64_reference(H_k, H_v, d_k, d_v):
     T = 40
     q, k, v, g, beta, S0 = random_inputs(rng, T, H_k, H_v, d_k, d_v)
     state = S0.copy()
-    ckpt = np.zeros((T, H_v, d_k, d_v), dtype=np.float32)
+    ckpt = np.zeros((T, H_v, d_v, d_k), dtype=np.float32)
     o = deltanet.deltanet_recurrent(q, k, v, g, beta, state, checkpoints=ckpt)
     o_ref, states_ref = reference_f64(q, k, v, g, beta, S0)
     assert np.abs(o - o_ref).max() <= 1e-5 * max(1.0, np.abs(o_ref).max())
@@ -111,9 +113,21 @@ def test_v_head_reads_tiled_k_head():
     rng = np.random.default_rng(5)
     q, k, v, g, beta, _ = random_inputs(rng, 6, H_k=2, H_v=4)
     k[:, 0] = 0.0
-    o = deltanet.deltanet_recurrent(q, k, v, g, beta, np.zeros((4, 16, 8), np.float32))
+    o = deltanet.deltanet_recurrent(q, k, v, g, beta, np.zeros((4, 8, 16), np.float32))
     assert np.abs(o[:, [0, 2]]).max() == 0.0
     assert np.abs(o[:, [1, 3]]).min(axis=(0, 2)).max() > 0.0 and np.abs(o[:, [1, 3]]).max() > 1e-3
+
+
+@pytest.mark.parametrize("run", [deltanet.deltanet_recurrent, deltanet.deltanet_chunked])
+def test_state_is_stored_transposed(run):
+    """From a zero state one token leaves S = k δᵀ with δ = β v: stored as Sᵀ, state[h][j, i] =
+    β v_j k_i (the layout every backend, the GPU step and snapshots share)."""
+    rng = np.random.default_rng(11)
+    q, k, v, g, beta, _ = random_inputs(rng, 1, H_k=1, H_v=2, d_k=16, d_v=8)
+    state = np.zeros((2, 8, 16), np.float32)
+    run(q, k, v, g, beta, state)
+    for h in range(2):
+        np.testing.assert_allclose(state[h], np.outer(beta[0, h] * v[0, h], k[0, 0]), rtol=1e-5, atol=1e-6)
 
 
 def test_l2_normalize_form():

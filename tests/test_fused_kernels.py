@@ -431,7 +431,7 @@ def _dn_case(rng, T, nk=2, nv=4, dk=32, dv=32, kc=4):
                 ab=_on_fixed_grid(rng.standard_normal((T, 2 * nv))),
                 dt_bias=rng.standard_normal(nv).astype(np.float32),
                 ssm_a=-np.exp(rng.uniform(-1, 1, nv)).astype(np.float32),
-                S=(rng.standard_normal((nv, dk, dv)) * 0.1).astype(np.float32))
+                S=(rng.standard_normal((nv, dv, dk)) * 0.1).astype(np.float32))     # S^T per head
 
 
 def test_deltanet_conv_recurrence_and_commit(dev):

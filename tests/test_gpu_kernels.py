@@ -278,12 +278,13 @@ def test_embed_matches_cpu(gpu, qtype):
 
 def deltanet_f64(q, k, v, g, beta, S0):
     """Math §3.6 in float64: S <- e^g S; d = b (v - S^T k); S <- S + k d^T; o = S^T q / sqrt(d_k),
-    v-head h using k-head h % H_k. Returns (o, state after each token)."""
+    v-head h using k-head h % H_k. S0 and the states are stored as the backends store them (S^T per
+    head, [H_v, d_v, d_k]). Returns (o, state after each token)."""
     T, H_k, d_k = q.shape
     H_v = v.shape[1]
-    S = S0.astype(np.float64).copy()
+    S = S0.transpose(0, 2, 1).astype(np.float64)
     o = np.zeros(v.shape)
-    states = np.zeros((T,) + S.shape)
+    states = np.zeros((T,) + S0.shape)
     for t in range(T):
         for h in range(H_v):
             kk = k[t, h % H_k].astype(np.float64)
@@ -292,7 +293,7 @@ def deltanet_f64(q, k, v, g, beta, S0):
             delta = beta[t, h] * (v[t, h] - S[h].T @ kk)
             S[h] += np.outer(kk, delta)
             o[t, h] = S[h].T @ qq / math.sqrt(d_k)
-        states[t] = S
+        states[t] = S.transpose(0, 2, 1)
     return o, states
 
 
@@ -305,7 +306,7 @@ def deltanet_inputs(rng, T, H_k, H_v, d_k, d_v):
     v = rng.standard_normal((T, H_v, d_v)).astype(np.float32)
     g = -rng.uniform(0.0, 2.0, (T, H_v)).astype(np.float32)
     beta = rng.uniform(0.05, 1.0, (T, H_v)).astype(np.float32)
-    S0 = (0.5 * rng.standard_normal((H_v, d_k, d_v))).astype(np.float32)
+    S0 = (0.5 * rng.standard_normal((H_v, d_v, d_k))).astype(np.float32)     # S^T per head
     return q, k, v, g, beta, S0
 
 
@@ -323,13 +324,13 @@ def test_deltanet_recurrent_matches_cpu(gpu, case):
     q, k, v, g, beta, S0 = deltanet_inputs(rng, T, H_k, H_v, d_k, d_v)
 
     cpu_state = S0.copy()
-    cpu_ckpt = np.empty((T, H_v, d_k, d_v), np.float32)
+    cpu_ckpt = np.empty((T, H_v, d_v, d_k), np.float32)
     cpu_o = CPUBackend().deltanet_recurrent(q, k, v, g, beta, cpu_state, cpu_ckpt)
 
     xp = gpu.xp
     state = gpu.asarray(S0)
     state_ptr = state.data.ptr
-    ckpt = xp.full((T, H_v, d_k, d_v), np.nan, dtype=np.float32)
+    ckpt = xp.full((T, H_v, d_v, d_k), np.nan, dtype=np.float32)
     o = gpu.deltanet_recurrent(*(gpu.asarray(a) for a in (q, k, v, g, beta)), state, ckpt)
     assert state.data.ptr == state_ptr
     got_o, got_state, got_ckpt = gpu.to_host(o), gpu.to_host(state), gpu.to_host(ckpt)
@@ -370,9 +371,9 @@ def test_deltanet_rejects_bad_state(gpu):
     with pytest.raises(BackendError, match="state"):
         gpu.deltanet_recurrent(*args, S0)                       # a host array cannot be updated in place
     with pytest.raises(BackendError, match="state"):
-        gpu.deltanet_recurrent(*args, gpu.asarray(S0[:, :8]))   # wrong d_k
+        gpu.deltanet_recurrent(*args, gpu.asarray(S0[:, :, :8].copy()))   # wrong d_k (S^T: the last axis)
     with pytest.raises(BackendError, match="checkpoints"):
-        gpu.deltanet_recurrent(*args, gpu.asarray(S0), gpu.xp.zeros((1, 2, 16, 8), np.float32))
+        gpu.deltanet_recurrent(*args, gpu.asarray(S0), gpu.xp.zeros((1, 2, 8, 16), np.float32))
 
 
 # ---------------------------------------------------------------------------------------------
