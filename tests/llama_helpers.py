@@ -12,6 +12,11 @@ Conventions, so that a comparison measures the model and nothing else:
 - Greedy tokens come from llama.cpp's own greedy sampler (`llama_sampler_init_greedy`: the first
   maximum, i.e. the lowest index on ties, like `np.argmax` and our `argmax_lowest`); the logits it
   sampled from are returned alongside so a test can also check the argmax and the top-1 margin.
+- Weights stay in llama.cpp's plain CPU buffers (`use_extra_bufts` off) unless `extra_bufts=True`:
+  on CPUs with AMX (Sapphire Rapids and later) the extra buffer types route Q8_0 matrices through
+  the AMX kernels, which crash (SIGSEGV in `llama_decode`) on the tiny fixture models' shapes. The
+  oracle's arithmetic is the same ggml dot products either way; the CPU benchmark keeps them on to
+  measure llama.cpp at its fastest.
 - llama.cpp's log output is silenced (the `llama-cpp-python` logger at ERROR), since the quantiser
   prints one line per tensor.
 """
@@ -97,13 +102,27 @@ def matrix_type_counts(path: str | os.PathLike) -> dict[str, int]:
 
 
 def open_llama(path: str | os.PathLike, n_ctx: int, n_threads: int = 2, *, logits_all: bool = True,
-               f32_kv: bool = True, n_batch: int = 512) -> "llama_cpp.Llama":
-    """A llama.cpp context on `path` (CPU only); see the module docstring for `f32_kv`."""
+               f32_kv: bool = True, n_batch: int = 512, extra_bufts: bool = False) -> "llama_cpp.Llama":
+    """A llama.cpp context on `path` (CPU only); see the module docstring for `f32_kv` and `extra_bufts`."""
     quiet_llama()
     kv = dict(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32) if f32_kv else {}
-    return llama_cpp.Llama(model_path=os.fspath(path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
-                           n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=0,
-                           logits_all=logits_all, verbose=False, **kv)
+    # Llama() takes its model parameters from llama_model_default_params() and has no argument for
+    # use_extra_bufts: the default is replaced while it loads.
+    bindings = llama_cpp.llama_cpp
+    defaults = bindings.llama_model_default_params
+
+    def model_params():
+        params = defaults()
+        params.use_extra_bufts = extra_bufts
+        return params
+
+    bindings.llama_model_default_params = model_params
+    try:
+        return llama_cpp.Llama(model_path=os.fspath(path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
+                               n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=0,
+                               logits_all=logits_all, verbose=False, **kv)
+    finally:
+        bindings.llama_model_default_params = defaults
 
 
 def llama_prompt_logits(llm: "llama_cpp.Llama", prompt: Sequence[int]) -> np.ndarray:

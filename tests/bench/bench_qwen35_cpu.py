@@ -112,7 +112,7 @@ def run_llama(path: Path, prompt: list[int], n_decode: int, threads: int, repeat
     # logits only for the last token of each batch, as llama-cli/llama-server compute them; F16 KV
     # cache, llama.cpp's default.
     llm = open_llama(path, n_ctx=len(prompt) + n_decode + 8, n_threads=threads, logits_all=False,
-                     f32_kv=False)
+                     f32_kv=False, extra_bufts=True)      # llama.cpp at its fastest (repacked weights)
     sampler = llama_cpp.llama_sampler_init_greedy()
     ctx = llm.ctx
 
