@@ -67,11 +67,9 @@ def _recurrent_kernel(q, k, v, g, beta, state, out, checkpoints, store_checkpoin
     scale = np.float32(1.0 / math.sqrt(d_k))
     for h in numba.prange(H_v):
         kh = h % H_k
-        St = state[h]                    # Sᵀ [d_v, d_k]: worked on as S [d_k, d_v], whose inner
-        S = np.empty((d_k, d_v), dtype=np.float32)   # loops over the value columns vectorise
-        for j in range(d_v):
-            for i in range(d_k):
-                S[i, j] = St[j, i]
+        # Stored as Sᵀ [d_v, d_k]; worked on as S [d_k, d_v], whose inner loops over the value
+        # columns vectorise, and written back once at the end.
+        S = np.ascontiguousarray(state[h].T)
         kv = np.empty(d_v, dtype=np.float32)
         delta = np.empty(d_v, dtype=np.float32)
         o = np.empty(d_v, dtype=np.float32)
@@ -104,9 +102,7 @@ def _recurrent_kernel(q, k, v, g, beta, state, out, checkpoints, store_checkpoin
                 for j in range(d_v):
                     for i in range(d_k):
                         checkpoints[t, h, j, i] = S[i, j]
-        for j in range(d_v):
-            for i in range(d_k):
-                St[j, i] = S[i, j]
+        state[h][:, :] = S.T
 
 
 def deltanet_recurrent(q, k, v, g, beta, state, checkpoints=None) -> np.ndarray:
