@@ -493,10 +493,10 @@ class FusedGpu:
             raise ValueError(f"d_k = {dk} exceeds the kernel's {GDN_PARTS * GDN_RPT[-1]}")
         kern = self._k("fused.cu", f"gdn_recur_{'r' if T == 1 and n_dev is None else 'w'}{rpt}")
         chunk = GDN_CHUNK if n_dev is not None else max(1, min(T, GDN_CHUNK))
-        # Staged q, k, v, decay, beta (fused.cu); at least what the state's write-back through
-        # shared memory took before the state was stored transposed: with only their ~1 KB the
-        # decode blocks left room for more of the next launches' blocks early, and the 27B decode
-        # graph ran 0.03-0.05 ms slower (H200, two A/Bs).
+        # Staged q, k, v, decay, beta (fused.cu), at every width at least what the state's write-back
+        # through shared memory took before the state was stored transposed: with only their ~1 KB
+        # the decode blocks left room for more of the next launches' blocks early, and the 27B decode
+        # graph ran 0.03-0.05 ms slower (H200, two A/Bs; 32 or 64 KB: 0.03 slower).
         smem = 4 * max(chunk * (2 * GDN_PARTS * rpt + GDN_COLS + 2), GDN_PARTS * rpt * (GDN_COLS + 1))
         self._smem(kern, smem)
         args = (tbl, np.int32(T), n_dev, out, np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv),
