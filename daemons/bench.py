@@ -23,7 +23,9 @@ in memory.
 
 What is printed (and written as JSON with --json):
 
-* decode tok/s: greedy single-token steps on top of a `--prefill`-token context;
+* decode tok/s: greedy single-token steps on top of a `--prefill`-token context, as generation runs
+  them (on the GPU step: each step queued before the host reads the token of the one before,
+  daemons/qwen35_gpu.py GreedyChain; the `host sync` line times steps that each wait for that token);
 * verify ms for each width W (default 1, 8, 16, 23, 32): one forward of W tokens on top of that
   context with logits for all W, as speculative verification runs it (recurrent DeltaNet);
 * prefill tok/s for `--prefill` tokens (default 512) from an empty state;
@@ -446,6 +448,10 @@ class BenchResult:
                 f"{d['decode_ms']:.3f} ms - {d['graph_device_ms']:.3f} ms device time of its CUDA graph"
                 f"{', programmatic dependent launch' if d.get('pdl') else ''})"
                 if "graph_device_ms" in d else "host         not measured (--no-profile)")]
+        if "sync_step_ms" in d:
+            out.append(f"host sync    {d['sync_step_ms']:.3f} ms/step ({1e3 / d['sync_step_ms']:.2f} tok/s) when each step "
+                       f"waits for the token before it: {d['sync_step_ms'] - d['graph_device_ms']:.3f} ms of host time a "
+                       f"step, which the decode loop above hides (it queues the next step first)")
         if d.get("pdl_error"):
             out.append(f"pdl          not used: {d['pdl_error']}")
         if d.get("attention"):
@@ -513,13 +519,23 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
     context = st.copy()
     tok = int(np.argmax(out[-1]))
 
-    times = []
-    for _ in range(tokens + 3):
-        t0 = time.perf_counter()
-        tok = int(model.forward([tok], st, logits="argmax_last")[0])
-        times.append(time.perf_counter() - t0)
+    # greedy decoding as the serving loop runs it (daemons/generate.py): each step queued before the
+    # host reads the token of the step before (GreedyChain), so the host's time hides behind the device
+    first, times = tok, []
+    with step.greedy_chain(st) as chain:
+        for i in range(tokens + 3):
+            t0 = time.perf_counter()
+            tok = chain.next(tok, ahead=i + 1 < tokens + 3)
+            times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[3:])
     log(f"decode {1.0 / step_s:.2f} tok/s")
+    # and one step at a time (launch, wait for the token, launch the next): what the host adds to a step
+    s_sync, tok, sync_times = context.copy(), first, []
+    for _ in range(tokens + 3):
+        t0 = time.perf_counter()
+        tok = int(model.forward([tok], s_sync, logits="argmax_last")[0])
+        sync_times.append(time.perf_counter() - t0)
+    sync_step_s = statistics.median(sync_times[3:])
 
     # verify as a speculative loop runs it: on the sequence's own state, which the step has bound
     # (a fresh copy each time would time binding ~450 device pointers anew, ~0.5 ms of host work a
@@ -595,7 +611,8 @@ def _bench_gpu_step(model, *, tokens: int, widths, prefill: int, rng, profile: b
             if nbytes and ms > 0:
                 row["GBps"] = nbytes / (ms / 1e3) / 1e9
             ops_rows.append(row)
-    return {"prefill_s": prefill_s, "step_s": step_s, "verify_ms": verify_ms, "commit_ms": commit_ms,
+    return {"prefill_s": prefill_s, "step_s": step_s, "sync_step_s": sync_step_s, "verify_ms": verify_ms,
+            "commit_ms": commit_ms,
             "graph_dev_ms": graph_dev_ms, "verify_graph_ms": verify_graph_ms, "per_op_sum_ms": per_op_sum,
             "ops": ops_rows, "short_prompts": short}
 
@@ -671,6 +688,7 @@ def run_bench(model, *, tokens: int = 32, widths=(1, 8, 16, 23, 32), prefill: in
             "device_busy_ms": r["graph_dev_ms"], "graph_device_ms": r["graph_dev_ms"],
             "per_op_sum_ms": r["per_op_sum_ms"], "profiled_step_ms": float("nan"),
             "host_overhead_ms": step_s * 1e3 - r["graph_dev_ms"], "ops": r["ops"], "short_prompts": r["short_prompts"],
+            "sync_step_ms": r["sync_step_s"] * 1e3,
             "path": "gpu_step (CUDA graph per step)",
             "pdl": bool(getattr(b, "pdl_used", False)), "pdl_error": getattr(b, "pdl_error", None),
             "attention": _attention_kernels(model.gpu_step, prefill + 1),

@@ -338,55 +338,71 @@ def generate(
     # state then holding `n_state` = the step's base + j tokens.
     tokens = [sampler.sample(logits, history)]
     greedy_ids = sampler.params.is_greedy and getattr(model, "gpu_step", None) is not None
-    while True:
-        ids: list[int] = []
-        texts: list[str] = []
-        for j, token in enumerate(tokens):
-            if j:
-                n_state += 1
-            generated += 1
-            if t_first is None:
-                t_first = time.perf_counter()
-            end: GenerationEvent | None = None
+    # Greedy on a GPU step: the host one step behind the device (daemons/qwen35_gpu.py GreedyChain).
+    # The step it queues ahead is undone by close(), which runs before the state is handed on (the
+    # end event carries it) and on any other way out of this generator.
+    chain = None
+    try:
+        while True:
+            ids: list[int] = []
+            texts: list[str] = []
+            for j, token in enumerate(tokens):
+                if j:
+                    n_state += 1
+                generated += 1
+                if t_first is None:
+                    t_first = time.perf_counter()
+                end: GenerationEvent | None = None
 
-            if token in request.stop_ids:
-                text, hit = flush_text()
-                end = finish(FINISH_STOP, stop_token=token, stop_string=hit, tail=text)
-            else:
-                history.append(token)
-                text, hit = matcher.push(decoder.push(token))
-                ids.append(token)
-                texts.append(text)
-                if hit is not None:
-                    end = finish(FINISH_STOP, stop_string=hit)
-                elif generated >= request.max_tokens or (max_ctx is not None and n_state + 1 > max_ctx):
+                if token in request.stop_ids:
                     text, hit = flush_text()
-                    end = finish(FINISH_STOP if hit is not None else FINISH_LENGTH, stop_string=hit, tail=text)
-            if end is not None:
-                if speculative is not None and j + 1 < len(tokens):
-                    speculative.truncate(state, sampler, j + 1)
-                if ids:
-                    yield GenerationEvent(token_ids=tuple(ids), text="".join(texts))
-                yield end
+                    end = finish(FINISH_STOP, stop_token=token, stop_string=hit, tail=text)
+                else:
+                    history.append(token)
+                    text, hit = matcher.push(decoder.push(token))
+                    ids.append(token)
+                    texts.append(text)
+                    if hit is not None:
+                        end = finish(FINISH_STOP, stop_string=hit)
+                    elif generated >= request.max_tokens or (max_ctx is not None and n_state + 1 > max_ctx):
+                        text, hit = flush_text()
+                        end = finish(FINISH_STOP if hit is not None else FINISH_LENGTH, stop_string=hit, tail=text)
+                if end is not None:
+                    if chain is not None:
+                        chain.close()
+                    if speculative is not None and j + 1 < len(tokens):
+                        speculative.truncate(state, sampler, j + 1)
+                    if ids:
+                        yield GenerationEvent(token_ids=tuple(ids), text="".join(texts))
+                    yield end
+                    return
+            yield GenerationEvent(token_ids=tuple(ids), text="".join(texts))
+
+            if should_stop is not None and should_stop():
+                if chain is not None:
+                    chain.close()
+                text, hit = flush_text()
+                yield finish(FINISH_STOP if hit is not None else FINISH_CANCELLED, stop_string=hit, tail=text)
                 return
-        yield GenerationEvent(token_ids=tuple(ids), text="".join(texts))
 
-        if should_stop is not None and should_stop():
-            text, hit = flush_text()
-            yield finish(FINISH_STOP if hit is not None else FINISH_CANCELLED, stop_string=hit, tail=text)
-            return
-
-        if speculative is not None:
-            base = n_state
-            tokens = speculative.step(state, tokens[-1], sampler, history, request.max_tokens - generated, max_ctx)
-            n_state = base + 1
-        elif greedy_ids:
-            # greedy: the model's own argmax (on a GPU only the id crosses to the host)
-            tokens = [int(model.forward([tokens[-1]], state, logits="argmax_last")[0])]
-            n_state += 1
-        else:
-            tokens = [_sample_next(model, state, tokens[-1], sampler, history)]
-            n_state += 1
+            if speculative is not None:
+                base = n_state
+                tokens = speculative.step(state, tokens[-1], sampler, history, request.max_tokens - generated, max_ctx)
+                n_state = base + 1
+            elif greedy_ids:
+                # greedy: the model's own argmax (on a GPU only the id crosses to the host), the step
+                # after it queued first unless the token returned now is the last one wanted
+                if chain is None:
+                    chain = model.gpu_step.greedy_chain(state)
+                ahead = generated + 1 < request.max_tokens and (max_ctx is None or n_state + 2 <= max_ctx)
+                tokens = [chain.next(tokens[-1], ahead=ahead)]
+                n_state += 1
+            else:
+                tokens = [_sample_next(model, state, tokens[-1], sampler, history)]
+                n_state += 1
+    finally:
+        if chain is not None:
+            chain.close()
 
 
 def generate_all(model: Any, tokenizer: Any, request: GenerationRequest, state: Any = None,

@@ -17,6 +17,8 @@
 //   attn_combine_prep  attention: merge the splits, sigmoid gate -> act16
 //   argmax_rows        greedy ids on the device (first NaN, else the lowest index of the max)
 //   topk_row           the k largest logits of a row (sampled decoding: only they cross to the host)
+//   step_chain         the next decode step's params from this one's argmax (greedy decoding with
+//                      the host a step behind the device)
 //
 // CPU counterparts: kernels/cpu_backend.py (`fused_*` methods), held equal by tests/test_fused.py.
 // Determinism: every reduction has a fixed order that depends on a row's own length only, never
@@ -1413,6 +1415,20 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) argmax_rows(
         }
         out[t] = idx;
         counters[t] = 0;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// step_chain: the params block of the next decode step, written by this step's graph: position + 1
+// and the token this step's argmax chose. Greedy decoding then queues the next step before the host
+// has read this one's token (daemons/qwen35_gpu.py GreedyChain), so the host's time between steps
+// (reading the id, launching the graph) overlaps the device's work instead of adding to it.
+extern "C" __global__ void step_chain(int* __restrict__ params, const int* __restrict__ ids) { TL_SCOPE;
+    trigger_dependents();
+    grid_dependency_wait();
+    if (threadIdx.x == 0) {
+        params[0] += 1;
+        params[2] = ids[0];
     }
 }
 

@@ -606,3 +606,8 @@ class FusedGpu:
         counters = xp.zeros(n_rows, dtype=xp.int32)
         args = (logits, np.int32(V), np.int32(ld), out_ids, part_v, part_i, counters)
         return Op(label, kern, (n_chunks, n_rows), (FUSED_THREADS,), args, keep=(part_v, part_i, counters))
+
+    def op_step_chain(self, label: str, params, ids) -> Op:
+        """params[0] += 1, params[2] = ids[0]: the next decode step's position and token, on the
+        device (the step's last launch when the host queues the next step before reading ids)."""
+        return Op(label, self._k("fused.cu", "step_chain"), (1,), (32,), (params, ids))

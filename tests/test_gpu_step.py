@@ -15,7 +15,9 @@ What the tests guard:
 - sampled speculative decoding with device top-k verify rows = the AR sample;
 - rollback by replay: committing any prefix of a verified block (also twice, shorter second) leaves
   exactly the state the one-token steps reach; a stale record is refused;
-- two states used alternately (the state table rebinds), and captured layers.
+- two states used alternately (the state table rebinds), and captured layers;
+- greedy decoding with the next step queued before the host reads a token (GreedyChain): the same
+  tokens, and closing it undoes the step queued ahead exactly.
 """
 from __future__ import annotations
 
@@ -308,6 +310,103 @@ def test_rollback_replays_exactly(models):
     from daemons.qwen35 import StateError
     with pytest.raises(StateError):
         dev.rollback(s, old, 1)
+
+
+def test_greedy_chain_equals_single_steps_and_undoes_the_step_queued_ahead(models):
+    """GreedyChain queues each decode step before the host has read the token of the step before
+    (the graph writes the next step's params itself). Guards: its tokens are the greedy tokens of
+    steps taken one at a time; closing it after any number of tokens, with a step queued ahead or
+    not, leaves exactly the state those single steps leave (n_past, conv and delta-rule states, KV
+    rows), whichever of its two delta-rule buffers the chain ended in, and decoding goes on from it
+    alike; misuse is refused."""
+    name, kind, cpu, dev = models
+    prompt = _prompt(dev.n_vocab, 6, seed=11)
+    base = dev.new_state(64)
+    first = int(dev.forward(prompt, base, logits="argmax_last")[0])
+    n = 4
+    ref, toks, states = base.copy(), [], []
+    tok = first
+    for _ in range(n):
+        tok = int(dev.forward([tok], ref, logits="argmax_last")[0])
+        toks.append(tok)
+        states.append(ref.copy())
+    probe = _prompt(dev.n_vocab, 2, seed=12)
+    for k in (1, 2, 3, 4):
+        for last_ahead in ((True, False) if k in (2, 3) else (True,)):
+            s = base.copy()
+            chain = dev.gpu_step.greedy_chain(s)
+            got, tok = [], first
+            for i in range(k):
+                tok = chain.next(tok, ahead=i + 1 < k or last_ahead)
+                got.append(tok)
+            assert s.n_past == base.n_past + k + (1 if last_ahead else 0)
+            chain.close()
+            assert got == toks[:k], f"{name} {kind}: {k} tokens"
+            assert _same_state(s, states[k - 1]), f"{name} {kind}: state after {k} tokens (ahead {last_ahead})"
+            assert np.array_equal(dev.forward(probe, s, logits="all"), dev.forward(probe, states[k - 1].copy(), logits="all"))
+    s = base.copy()
+    with dev.gpu_step.greedy_chain(s) as chain:
+        tok = chain.next(first)
+        with pytest.raises(ValueError, match="consumes token"):
+            chain.next(tok + 1 if tok + 1 < dev.n_vocab else 0)
+        assert chain.next(tok) == toks[1]
+        with pytest.raises(ValueError, match="vocabulary"):
+            chain.next(dev.n_vocab)
+    assert _same_state(s, states[1])
+    with pytest.raises(RuntimeError, match="closed"):
+        chain.next(toks[1])
+
+
+def test_generation_hands_on_the_state_of_its_tokens(models):
+    """generate() decodes greedily through GreedyChain on the GPU step, and its end event carries
+    the state (a worker parks or snapshots it at once). Guards: whether generation ends on a stop
+    token, on the length limit or on a cancel, the tokens are the single-step greedy tokens and the
+    state holds exactly the tokens fed to the model, the step queued ahead undone before the end
+    event is yielded."""
+    from daemons.generate import GenerationRequest, generate
+    from daemons.tokenizer import Tokenizer
+    name, kind, cpu, dev = models
+    tokenizer = Tokenizer.from_metadata(dev.metadata)
+    prompt = _prompt(dev.n_vocab, 5, seed=13)
+    base = dev.new_state(64)
+    toks = [int(dev.forward(prompt, base, logits="argmax_last")[0])]
+    ref = base.copy()
+    for _ in range(5):
+        toks.append(int(dev.forward([toks[-1]], ref, logits="argmax_last")[0]))
+
+    def run(max_tokens, stop_ids=(), cancel_after=None):
+        events, polls = [], [0]
+
+        def should_stop():
+            polls[0] += 1
+            return cancel_after is not None and polls[0] > cancel_after
+
+        for ev in generate(dev, tokenizer, GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens,
+                                                             stop_ids=frozenset(stop_ids), max_ctx=64),
+                           should_stop=should_stop):
+            events.append(ev)
+            if ev.finish_reason is not None:
+                held = ev.state.copy()       # as the receiver finds it, before the generator resumes
+        got = [t for ev in events for t in ev.token_ids]
+        return got, events[-1], held
+
+    def fed(n):
+        s = base.copy()
+        for t in toks[:n]:
+            dev.forward([t], s)
+        return s
+
+    k = next((i for i in range(2, 6) if toks[i] not in toks[:i]), None)
+    if k is not None:
+        got, end, held = run(20, stop_ids=(toks[k],))
+        assert got == toks[:k] and end.finish_reason == "stop" and end.stop_token == toks[k]
+        assert _same_state(held, fed(k)), f"{name} {kind}: state at the stop token"
+    got, end, held = run(4)
+    assert got == toks[:4] and end.finish_reason == "length"
+    assert _same_state(held, fed(3)), f"{name} {kind}: state at the length limit"
+    got, end, held = run(20, cancel_after=3)
+    assert got == toks[:3] and end.finish_reason == "cancelled"
+    assert _same_state(held, fed(2)), f"{name} {kind}: state after a cancel"
 
 
 def test_two_states_alternate(models):
