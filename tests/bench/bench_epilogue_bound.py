@@ -2,8 +2,10 @@
 (or only those of one mode: the residual adds, the SwiGLU gate|up) compiled with MM_NO_EXCHANGE, i.e. without its epilogue and the
 exchange of cut row blocks. The results are wrong; only the timing means something, and only at
 T <= 8 (wider, the compiler drops the MMAs of tiles whose sums no longer reach memory).
+`swiglu-copies`: the gate|up launches also without their MMAs and dequantisation (MM_NO_COMPUTE: the
+pipeline's copies alone), the floor for the largest matmul inside the step.
 
-    python3 tests/bench/bench_epilogue_bound.py all|add|swiglu [--synthetic-path /tmp/qwen35-27b-q4km.gguf]
+    python3 tests/bench/bench_epilogue_bound.py all|add|swiglu|swiglu-copies [--synthetic-path /tmp/qwen35-27b-q4km.gguf] [bench options]
 """
 from __future__ import annotations
 
@@ -16,20 +18,23 @@ import kernels.fused_gpu as fused_gpu     # noqa: E402
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("all", "add", "swiglu"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("all", "add", "swiglu", "swiglu-copies"):
         sys.exit(__doc__)
     which = sys.argv[1]
-    path = sys.argv[sys.argv.index("--synthetic-path") + 1] if "--synthetic-path" in sys.argv else "/tmp/qwen35-27b-q4km.gguf"
+    rest = sys.argv[2:]
+    if "--synthetic-path" not in rest:
+        rest += ["--synthetic-path", "/tmp/qwen35-27b-q4km.gguf"]
     op_mm = fused_gpu.FusedGpu.op_mm
 
     def without_epilogue(self, label, segs, act, T, mode, ws, out_act=None, variant=()):
-        if which == "all" or mode == {"add": fused_gpu.MODE_ADD, "swiglu": fused_gpu.MODE_SWIGLU}[which]:
-            variant = tuple(variant) + ("MM_NO_EXCHANGE=1",)
+        if which == "all" or mode == {"add": fused_gpu.MODE_ADD, "swiglu": fused_gpu.MODE_SWIGLU,
+                                      "swiglu-copies": fused_gpu.MODE_SWIGLU}[which]:
+            variant = tuple(variant) + ("MM_NO_EXCHANGE=1",) + (("MM_NO_COMPUTE=1",) if which == "swiglu-copies" else ())
         return op_mm(self, label, segs, act, T, mode, ws, out_act=out_act, variant=variant)
 
     fused_gpu.FusedGpu.op_mm = without_epilogue
     from daemons.cli import main as cli_main
-    sys.argv = ["dflashd", "bench", "--synthetic", "qwen35-27b-q4km", "--device", "cuda:0", "--synthetic-path", path]
+    sys.argv = ["dflashd", "bench", "--synthetic", "qwen35-27b-q4km", "--device", "cuda:0", *rest]
     cli_main()
 
 
