@@ -315,7 +315,7 @@ def test_rollback_replays_exactly(models):
 def test_greedy_chain_equals_single_steps_and_undoes_the_step_queued_ahead(models):
     """GreedyChain queues each decode step before the host has read the token of the step before
     (the graph writes the next step's params itself). Guards: its tokens are the greedy tokens of
-    steps taken one at a time; closing it after any number of tokens, with a step queued ahead or
+    steps taken one at a time; closing it after 1-3 tokens, with a step queued ahead or
     not, leaves exactly the state those single steps leave (n_past, conv and delta-rule states, KV
     rows), whichever of its two delta-rule buffers the chain ended in, and decoding goes on from it
     alike; misuse is refused."""
@@ -323,7 +323,7 @@ def test_greedy_chain_equals_single_steps_and_undoes_the_step_queued_ahead(model
     prompt = _prompt(dev.n_vocab, 6, seed=11)
     base = dev.new_state(64)
     first = int(dev.forward(prompt, base, logits="argmax_last")[0])
-    n = 4
+    n = 3
     ref, toks, states = base.copy(), [], []
     tok = first
     for _ in range(n):
@@ -331,8 +331,8 @@ def test_greedy_chain_equals_single_steps_and_undoes_the_step_queued_ahead(model
         toks.append(tok)
         states.append(ref.copy())
     probe = _prompt(dev.n_vocab, 2, seed=12)
-    for k in (1, 2, 3, 4):
-        for last_ahead in ((True, False) if k in (2, 3) else (True,)):
+    for k in (1, 2, 3):                          # closing with the states in either buffer
+        for last_ahead in ((True, False) if k > 1 else (True,)):
             s = base.copy()
             chain = dev.gpu_step.greedy_chain(s)
             got, tok = [], first
