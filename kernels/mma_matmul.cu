@@ -211,6 +211,14 @@ struct UnitQ4K : KQuantScales {
         const u32 w = comp<S & 3>(q[S >> 2]);
         constexpr int j = S >> 3;                       // scale group 2c + j
         const u32 w8 = w >> 8;
+#if defined(MM_DQ_PROBE)    // timing only (wrong results): 1 = no HFMA2 (the nibbles under 1024 as they are), 2 = raw words
+        if (MM_DQ_PROBE == 2 || MM_DQ_PROBE == 4) { a[0] = w; a[1] = w8; a[2] = w ^ 0x5555u; a[3] = w8 ^ 0x5555u; return; }
+        if (MM_DQ_PROBE == 1) {
+            a[0] = lop_and_or<0x000F000Fu>(w, H2_1024); a[1] = lop_and_or<0x00F000F0u>(w, H2_1024);
+            a[2] = lop_and_or<0x000F000Fu>(w8, H2_1024); a[3] = lop_and_or<0x00F000F0u>(w8, H2_1024);
+            return;
+        }
+#endif
         a[0] = h2fma(lop_and_or<0x000F000Fu>(w, H2_1024), c1[j], b1[j]);
         a[1] = h2fma(lop_and_or<0x00F000F0u>(w, H2_1024), c16[j], b16[j]);
         a[2] = h2fma(lop_and_or<0x000F000Fu>(w8, H2_1024), c1[j], b1[j]);
@@ -292,6 +300,13 @@ struct UnitQ6K {
     // (1024 + 16 q6) * sc/16 - 96 sc = (q6 - 32) * sc; registers r = 0, 2 are row g, 1, 3 row g + 8.
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
         constexpr int P = S >> 1, R0 = 4 * (S & 1), k = S >> 2;     // 16-wide group 4c + k
+#if defined(MM_DQ_PROBE)    // timing only (wrong results), as UnitQ4K::frag
+        if (MM_DQ_PROBE == 2 || MM_DQ_PROBE == 4) { a[0] = word<3 * P>(); a[1] = word<3 * P + 1>(); a[2] = word<3 * P + 2>(); a[3] = word<3 * P + 2>() >> 4; return; }
+        if (MM_DQ_PROBE == 1) {
+            a[0] = code16<P, R0 + 0>(); a[1] = code16<P, R0 + 1>(); a[2] = code16<P, R0 + 2>(); a[3] = code16<P, R0 + 3>();
+            return;
+        }
+#endif
         a[0] = h2fma(code16<P, R0 + 0>(), cs[k][0], bs[k][0]);
         a[1] = h2fma(code16<P, R0 + 1>(), cs[k][1], bs[k][1]);
         a[2] = h2fma(code16<P, R0 + 2>(), cs[k][0], bs[k][0]);
@@ -440,17 +455,27 @@ __device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const un
         // warp reads 1/NT of the B bytes from shared memory (does the wide product wait on them?)
         bq[nt] = nt == 0 ? *(const uint4*)(sb_x + boff[0][P & 1] + P * 64) : bq[0];
 #else
+#if defined(MM_DQ_PROBE) && MM_DQ_PROBE == 5       // timing only: every pair reads pair 0's activations
+        bq[nt] = *(const uint4*)(sb_x + boff[nt][0]);
+#else
         bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
+#endif
 #endif
     }
     un.pair(ub, lo, P);
     u32 a[4];
     un.template frag<2 * P>(a);
+#if defined(MM_DQ_PROBE) && (MM_DQ_PROBE == 3 || MM_DQ_PROBE == 4)   // timing only: an XOR chain for the MMAs
+#define MM_PAIR_MMA(t, a, b0, b1) (t[0] = __uint_as_float(__float_as_uint(t[0]) ^ a[0] ^ a[1] ^ a[2] ^ a[3] ^ (b0) ^ (b1)))
+#else
+#define MM_PAIR_MMA(t, a, b0, b1) mma16816(t, a, b0, b1)
+#endif
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mma16816(tm[nt], a, bq[nt].x, bq[nt].y);
+    for (int nt = 0; nt < NT; ++nt) MM_PAIR_MMA(tm[nt], a, bq[nt].x, bq[nt].y);
     un.template frag<2 * P + 1>(a);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mma16816(tm[nt], a, bq[nt].z, bq[nt].w);
+    for (int nt = 0; nt < NT; ++nt) MM_PAIR_MMA(tm[nt], a, bq[nt].z, bq[nt].w);
+#undef MM_PAIR_MMA
 }
 
 // The row block rb (flat over the segments) -> its segment and its index in it. A row block is
@@ -1006,7 +1031,12 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 
 #if defined(MM_QT)
 // One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_MODE=<0..2>
-extern "C" __global__ void __launch_bounds__(MM_BLOCK_THREADS(MM_NT), 4)
+#if defined(MM_MAXNREG)         // a register cap instead of the occupancy bound (benchmarks)
+#define MM_BOUNDS __maxnreg__(MM_MAXNREG)
+#else
+#define MM_BOUNDS __launch_bounds__(MM_BLOCK_THREADS(MM_NT), 4)
+#endif
+extern "C" __global__ void MM_BOUNDS
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
       int n_sb, int T, float* __restrict__ ws, int* __restrict__ counters,
       u16* __restrict__ out16, u16* __restrict__ outxs) { TL_SCOPE;
