@@ -441,6 +441,47 @@ template <int QT> struct MmGeom {
     }
 };
 
+// Per-stage trace of decode-width launches, for benchmarks only (tests/bench/stage_trace_gpu.py
+// builds with -DMM_STAGE_TRACE; every other build compiles the marks to nothing). Why: inside the
+// step's graph a T = 1 product runs at ~2.5 TB/s where its copies alone would run near the copy
+// rate, and neither its arithmetic nor a stage's hold time explains the gap (GPU_NOTES,
+// nineteenth session); this records, for a few blocks of every launch, when each stage's copy was
+// issued, when computing warp 0 began waiting for it, when it passed the wait and when it released
+// the stage (%clock of the block's multiprocessor), so the same launch can be compared in the
+// graph and alone.
+#if defined(MM_STAGE_TRACE) && !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+#define ST_SLOTS 512                 // launches, by grid id
+#define ST_BLOCKS 8                  // traced blocks of a launch (spread over the grid)
+#define ST_STAGES 48                 // stages traced per block
+#define ST_HEAD 10                   // grid id, entry, dependency wait passed, end, stages, n_stages, timer at entry, at end,
+                                     // the stage loop's end (before the cut row blocks' exchange), multiprocessor
+#define ST_REC (ST_HEAD + 4 * ST_STAGES)
+extern "C" {
+__device__ unsigned int mm_st_tab[ST_SLOTS * ST_BLOCKS * ST_REC];
+}
+__device__ __forceinline__ unsigned st_clock() {
+    unsigned t;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned st_timer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (unsigned)t;
+}
+__device__ __forceinline__ unsigned* st_record() {    // this block's record, or null when not traced
+    const int every = max(1, (int)gridDim.x / ST_BLOCKS);
+    if ((int)blockIdx.x % every != 0 || (int)blockIdx.x / every >= ST_BLOCKS) return nullptr;
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    unsigned* r = mm_st_tab + ((size_t)(g % ST_SLOTS) * ST_BLOCKS + blockIdx.x / every) * ST_REC;
+    return r;
+}
+#define ST_ON 1
+#else
+#define ST_ON 0
+#endif
+
 // One pair of k-steps (2p, 2p+1) of the warp's tile; activations from the stage.
 // boff[nt][P & 1]: byte offset of this lane's 16 bytes of pair P (minus 64 P) in the staged row
 // behind MMA column g of tile nt (columns past T repeat the last row): odd rows hold pair P at
@@ -621,6 +662,18 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int W = n_rb * n_sb;
     const int Gn = gridDim.x;
     const int f0 = (int)((long long)blockIdx.x * W / Gn), f1 = (int)((long long)(blockIdx.x + 1) * W / Gn);
+#if ST_ON
+    unsigned* st_rec = (NT == 1 && tid == 0) ? st_record() : nullptr;        // thread 0: computing warp 0's lane 0
+    unsigned* st_iss = (NT == 1 && warp == MM_ISSUER(NT) && lane == 0) ? st_record() : nullptr;
+    if (st_rec) {
+        unsigned long long g;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+        st_rec[0] = (unsigned)g; st_rec[1] = st_clock(); st_rec[4] = (unsigned)(f1 - f0); st_rec[6] = st_timer();
+    }
+#define ST_MARK(ptr, i, field) do { if ((ptr) && (i) < ST_STAGES) (ptr)[ST_HEAD + 4 * (i) + (field)] = st_clock(); } while (0)
+#else
+#define ST_MARK(ptr, i, field) do { } while (0)
+#endif
 
     // Stage k holds flat superblock f: the row block's 4 units, the T activation rows, their block
     // sums. The issuer warp (MM_ISSUER) issues each stage as bulk copies completing on the stage's
@@ -681,6 +734,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             if (tiles[q] < s_segs[ss[q]].n_tiles) bytes += UNIT;
         }
         unsigned char* st = smem + i_k * STAGE;
+        ST_MARK(st_iss, i_f - f0, 0);
         if (lane == 0) mbar_expect(&s_full[i_k], bytes);
         warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
@@ -726,6 +780,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         }
     }
     grid_dependency_wait();
+#if ST_ON
+    if (st_rec) { st_rec[2] = st_clock(); st_rec[5] = (unsigned)n_stages; }
+#endif
     if (warp == ISSUER) {
         int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
         for (int k = 0; k < n_pro; ++k) {
@@ -902,7 +959,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
             issue_next();
         }
+        ST_MARK(st_rec, f - f0, 1);
         mbar_wait(bar_at(full0, k), phase);      // this superblock has landed
+        ST_MARK(st_rec, f - f0, 2);
         const unsigned char* st = smem + k * STAGE;
 #ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
         if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
@@ -935,6 +994,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             // in the other).
             warp_sync();                         // every lane's reads of the stage are done
             if (lane == 0) mbar_arrive(bar_at(empty0, k));
+            ST_MARK(st_rec, f - f0, 3);
             if (U::HAS_MIN) {
                 const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
 #pragma unroll
@@ -963,6 +1023,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #ifdef MM_NO_COMPUTE
         warp_sync();
         if (lane == 0) mbar_arrive(bar_at(empty0, k));
+        ST_MARK(st_rec, f - f0, 3);
 #endif
     };
     // The row block's part in this stripe is done: a row block wholly in this stripe is written at
@@ -1023,9 +1084,20 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         }
     }
 
+#if ST_ON
+    if (st_rec) {
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        st_rec[8] = st_clock(); st_rec[9] = smid;
+    }
+#endif
 #ifndef MM_NO_EXCHANGE
     if (tail_rb >= 0 || head_rb >= 0) finish_cuts(tail_rb, acc);
 #endif
+#if ST_ON
+    if (st_rec) { st_rec[3] = st_clock(); st_rec[7] = st_timer(); }
+#endif
+#undef ST_MARK
     trigger_dependents();                        // wider batches: only now (MM_TRIGGER_AHEAD above)
 }
 

@@ -1,0 +1,188 @@
+"""Where a decode-width matmul's stages spend their time, inside the step's CUDA graph and alone
+(issue 8: the T = 1 products run at ~2.5 TB/s in the graph; GPU_NOTES, nineteenth session).
+
+    python3 tests/bench/stage_trace_gpu.py [--reps 4] [--path /tmp/qwen35-27b-q4km.gguf]
+        [--variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1]
+
+Every mm_tc launch is built with -DMM_STAGE_TRACE (kernels/mma_matmul.cu): 8 blocks of each T = 1
+launch record, in their multiprocessor's clock, when each stage's copy was issued (the issuer warp),
+when computing warp 0 began waiting for it, passed that wait and released the stage, and when the
+block passed its dependency wait and ended. The gate|up launches (Q4_K SwiGLU) of a replayed decode
+step are then set beside the same shape launched alone, 20 times back to back. `--variant` adds
+defines to the gate|up launches of both (e.g. the pipeline's copies alone).
+
+Per stage (means over the traced blocks and launches, in microseconds at the clock the records
+themselves measure against %globaltimer):
+  issue->pass   from the copy's issue to warp 0 passing its wait: the copy's latency whenever the
+                warp had to wait (wait > 0), else an upper bound
+  wait          how long warp 0 waited for the stage to land (0: it was there before the warp)
+  hold          from passing the wait to releasing the stage (warp 0's reads of it)
+  refill        from warp 0's release to the issue of the stage's next copy (the other three
+                warps' releases and the issuer's own turn)
+and per block: dep wait (entry to the dependency wait passed), run (that to the block's end).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import kernels.fused_gpu as fused_gpu                                    # noqa: E402
+from daemons.bench import _sync                                          # noqa: E402
+from kernels import cuda_backend as cb                                   # noqa: E402
+from kernels import ggml_quants                                          # noqa: E402
+
+from tests.bench.profile_gpu_step import _model                         # noqa: E402
+
+ST_SLOTS, ST_BLOCKS, ST_STAGES, ST_HEAD = 512, 8, 48, 10                 # kernels/mma_matmul.cu
+ST_REC = ST_HEAD + 4 * ST_STAGES
+TRACE = "MM_STAGE_TRACE"
+
+
+def _tables(cp, want: tuple[str, ...]) -> list:
+    """The trace table of every compiled mm_tc module whose defines include all of `want`."""
+    out = []
+    with cb._MODULES._lock:
+        mods = [m for (src, d), m in cb._MODULES._cache.items() if src == "mma_matmul.cu" and all(w in d for w in want)]
+    for m in mods:
+        ptr = m.get_global("mm_st_tab")
+        out.append(cp.ndarray((ST_SLOTS * ST_BLOCKS, ST_REC), dtype=cp.uint32, memptr=ptr))
+    return out
+
+
+def _records(cp, tables) -> np.ndarray:
+    rows = [cp.asnumpy(t) for t in tables]
+    r = np.concatenate(rows) if rows else np.zeros((0, ST_REC), dtype=np.uint32)
+    return r[r[:, 4] > 0]                       # blocks that recorded (stripe length > 0)
+
+
+def summarise(title: str, recs: np.ndarray, rep: np.ndarray | None = None) -> None:
+    """Prints the stage table of the records (rep: each record's replay, for grouping by launch)."""
+    rep = np.zeros(len(recs), dtype=np.int64) if rep is None else rep
+    if not len(recs):
+        print(f"== {title}: no records")
+        return
+    r = recs.astype(np.int64)
+    d = lambda a, b: (a - b) & 0xFFFFFFFF     # noqa: E731  (32-bit clock differences)
+    cyc = d(r[:, 3], r[:, 1]).astype(float)
+    ns = d(r[:, 7], r[:, 6]).astype(float)
+    ok = ns > 0
+    ghz = float(np.sum(cyc[ok]) / np.sum(ns[ok])) if ok.any() else 1.98
+    us = lambda c: c / ghz / 1e3               # noqa: E731
+    n_st = int(np.median(r[:, 4]))
+    depth = int(np.median(r[:, 5]))
+    ev = r[:, ST_HEAD:].reshape(len(r), ST_STAGES, 4)       # issue, wait begin, passed, released
+    print(f"== {title}: {len(r)} block records, stripes of {n_st} stages, {depth} in flight, clock {ghz:.2f} GHz")
+    exch = us(d(r[:, 3], r[:, 8]).astype(float))
+    print(f"   dep wait {us(np.mean(d(r[:, 2], r[:, 1]))):6.2f} us   run {us(np.mean(d(r[:, 3], r[:, 2]))):6.2f} us   "
+          f"of which after the stage loop (cut row blocks) mean {np.mean(exch):.2f}, p90 {np.percentile(exch, 90):.2f}, "
+          f"max {np.max(exch):.2f} us")
+    loop = us(d(r[:, 8], r[:, 2]).astype(float))
+    print(f"   stage loops p10/p50/p90/max {np.percentile(loop, 10):.2f} / {np.percentile(loop, 50):.2f} / "
+          f"{np.percentile(loop, 90):.2f} / {np.max(loop):.2f} us")
+    print(f"   {'stage':>5s} {'issue->pass':>11s} {'wait':>7s} {'hold':>7s} {'refill':>7s}   (us)")
+    n = min(n_st, ST_STAGES)
+    tot = np.zeros(4)
+    for i in range(n):
+        lat = us(np.mean(d(ev[:, i, 2], ev[:, i, 0])))
+        wait = us(np.mean(d(ev[:, i, 2], ev[:, i, 1])))
+        hold = us(np.mean(d(ev[:, i, 3], ev[:, i, 2])))
+        refill = us(np.mean(d(ev[:, i + depth, 0], ev[:, i, 3]))) if i + depth < n else float("nan")
+        tot += (lat, wait, hold, 0 if np.isnan(refill) else refill)
+        if i < 6 or i >= n - 3 or i % 4 == 0:
+            print(f"   {i:5d} {lat:11.2f} {wait:7.2f} {hold:7.2f} {refill:7.2f}")
+    print(f"   sums: wait {tot[1]:.2f} us, hold {tot[2]:.2f} us over {n} stages; "
+          f"mean issue->pass {tot[0] / n:.2f} us, refill {tot[3] / max(n - depth, 1):.2f} us")
+    # Across the traced blocks of one launch (%globaltimer, ns): how far apart they start and end,
+    # and the spread of their runs (dependency wait passed to end, own clock).
+    run_us = us(d(r[:, 3], r[:, 2]).astype(float))
+    starts, ends, spans = [], [], []
+    launch = r[:, 0] + (rep.astype(np.int64) << 32)     # a graph replays its launches with the same grid ids
+    for gid in np.unique(launch):
+        m = launch == gid
+        if m.sum() < 2:
+            continue
+        t0, t1 = r[m, 6], r[m, 7]
+        starts.append(float(np.max(d(t0, np.min(t0)))) / 1e3)
+        ends.append(float(np.max(d(t1, np.min(t1)))) / 1e3)
+        spans.append(float(np.max(d(t1, np.min(t0)))) / 1e3)
+    if starts:
+        print(f"   per launch ({len(starts)}): entry spread {np.mean(starts):.2f} us, end spread {np.mean(ends):.2f} us, "
+              f"first entry to last end {np.mean(spans):.2f} us; block runs p10/p50/p90/max "
+              f"{np.percentile(run_us, 10):.2f} / {np.percentile(run_us, 50):.2f} / {np.percentile(run_us, 90):.2f} / {np.max(run_us):.2f} us")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--path", default=None)
+    ap.add_argument("--variant", default="", help="defines for the gate|up launches, comma-separated")
+    args = ap.parse_args()
+    extra = tuple(v for v in args.variant.split(",") if v)
+    op_mm = fused_gpu.FusedGpu.op_mm
+
+    def traced(self, label, segs, act, T, mode, ws, out_act=None, variant=()):
+        variant = tuple(variant) + (TRACE,) + (extra if mode == fused_gpu.MODE_SWIGLU else ())
+        return op_mm(self, label, segs, act, T, mode, ws, out_act=out_act, variant=variant)
+
+    fused_gpu.FusedGpu.op_mm = traced
+    model = _model("qwen35-27b-q4km", args.path, "cuda:0")
+    b, step = model.backend, model.gpu_step
+    cp = b.xp
+    rng = np.random.default_rng(0)
+    context = model.new_state(256 + 40)
+    model.prefill(rng.integers(0, model.n_vocab, 256).tolist(), context, logits="last")
+    ops = step.ops_for(1, "advance", "last", n_keys=context.n_past + 1)
+    key = step.plan_key(1, "advance", "last", context.n_past + 1)
+    state = context.copy()
+    step._bind(state)
+    for _ in range(2):
+        state.copy_from(context)
+        step._launch(key, None)
+    _sync(b)
+    want = ("MM_QT=12", "MM_NT=1", "MM_MODE=2", TRACE)
+    tables = _tables(cp, want)
+    recs = []
+    for _ in range(args.reps):
+        state.copy_from(context)
+        for t in tables:
+            t.fill(0)
+        _sync(b)
+        step._launch(key, None)
+        _sync(b)
+        recs.append(_records(cp, tables))
+    del ops
+    summarise(f"gate|up T=1 in the decode graph {' '.join(extra)}", np.concatenate(recs),
+              np.concatenate([np.full(len(x), i) for i, x in enumerate(recs)]))
+
+    # The same shape alone: 20 launches back to back (tests/bench/bench_mm_gpu.py's case).
+    fg = fused_gpu.FusedGpu(b)
+    n_out, n_in = 17408, 5120
+    pool = ggml_quants.random_raw(12, 256, n_in, rng, scale_range=(2.0 ** -16, 2.0 ** -13))
+    raw = np.tile(pool, (n_out // 256 + 1, 1))[:n_out]
+    ws_ = [fg.repack("w", 12, n_out, n_in, raw), fg.repack("u", 12, n_out, n_in, raw)]
+    act = fused_gpu.ActBuffer(cp, n_in)
+    act.x16[...] = cp.asarray(rng.standard_normal(act.x16.shape).astype(np.float16).view(np.uint16))
+    out_act = fused_gpu.ActBuffer(cp, n_out)
+    need_f, need_c = fg.workspace_need(ws_, fused_gpu.MODE_SWIGLU)
+    ws = fused_gpu.MmWorkspace(cp, need_f, need_c)
+    op = fg.op_mm("gate|up", [(w, None, 0, n_out) for w in ws_], act, 1, fused_gpu.MODE_SWIGLU, ws, out_act=out_act)
+    for _ in range(3):
+        op()
+    _sync(b)
+    tables = _tables(cp, want)
+    for t in tables:
+        t.fill(0)
+    _sync(b)
+    for _ in range(20):
+        op()
+    _sync(b)
+    summarise(f"gate|up T=1 alone, 20 launches back to back {' '.join(extra)}", _records(cp, tables))
+
+
+if __name__ == "__main__":
+    main()
