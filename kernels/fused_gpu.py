@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["FusedGpu", "TcWeight", "ActBuffer", "Op", "MmWorkspace", "TC_TYPES", "MAX_T", "UNIT_BYTES",
-           "MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "mm_grid_blocks", "mm_smem_bytes", "TC_TYPE_NAMES"]
+           "MODE_STORE", "MODE_ADD", "MODE_SWIGLU", "MM_BLOCKS_PER_SM", "mm_grid_blocks", "mm_smem_bytes",
+           "TC_TYPE_NAMES"]
 
 MAX_T = 32                          # activation rows one launch handles (4 MMA column tiles)
 QT_F16, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS = 1, 8, 12, 13, 14, 23
@@ -157,8 +158,14 @@ def as_f16_rows(raw: np.ndarray, qtype: int, n_out: int, n_in: int) -> np.ndarra
     return out.view(np.uint8)
 
 
-def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = 4) -> int:
-    """Thread blocks of an mm_tc launch: four per multiprocessor (all resident at once), at least 4
+# Thread blocks of an mm_tc launch per multiprocessor: 4 are resident at once. More than 4 would run
+# as later waves, the hardware handing each next stripe to whichever slot frees first: a way to cut
+# the tail of slow blocks a T = 1 launch waits for (GPU_NOTES, nineteenth session), not yet measured.
+MM_BLOCKS_PER_SM = 4
+
+
+def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = MM_BLOCKS_PER_SM) -> int:
+    """Thread blocks of an mm_tc launch: MM_BLOCKS_PER_SM per multiprocessor, at least 4
     superblocks of work each. A function of the matrix only, never of the batch width (rows stay
     batch-invariant)."""
     return max(1, min(per_sm * n_sm, (n_rb * n_sb) // 4))
@@ -352,7 +359,7 @@ class FusedGpu:
         self._k("mma_matmul.cu", f"units_f16_{TC_TYPE_NAMES[w.qtype].lower()}")(
             grid, (128,), (w.data, out, np.int32(w.n_sb), np.int32(tile0), np.int32(n_tiles), np.int32(ld)))
 
-    def mm_grid(self, weights: Sequence[TcWeight], mode: int, per_sm: int = 4) -> tuple[int, int]:
+    def mm_grid(self, weights: Sequence[TcWeight], mode: int, per_sm: int = MM_BLOCKS_PER_SM) -> tuple[int, int]:
         """(thread blocks, row blocks) of a launch over `weights` (per_sm: benchmarks' MM_GRID)."""
         if mode == MODE_SWIGLU:
             n_rb = -(-weights[0].n_tiles // 2)
@@ -384,7 +391,7 @@ class FusedGpu:
         if mode == MODE_SWIGLU and (len(segs) != 2 or weights[0].n_out != weights[1].n_out or out_act is None):
             raise ValueError(f"{label}: SwiGLU needs gate and up of one shape and an output buffer")
         nt = -(-T // 8)
-        per_sm = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_GRID=")), 4)
+        per_sm = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_GRID=")), MM_BLOCKS_PER_SM)
         gx, n_rb = self.mm_grid(weights, mode, per_sm)
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
         keep = [act.x16, act.xs]
