@@ -162,6 +162,9 @@ def as_f16_rows(raw: np.ndarray, qtype: int, n_out: int, n_in: int) -> np.ndarra
 # as later waves, the hardware handing each next stripe to whichever slot frees first: a way to cut
 # the tail of slow blocks a T = 1 launch waits for (GPU_NOTES, nineteenth session), not yet measured.
 MM_BLOCKS_PER_SM = 4
+# Stripes per thread block (mma_matmul.cu MM_VSTRIPES; 1: one stripe each, the default): with K > 1
+# a T <= 8 launch hands its K * grid stripes to whichever block asks next. Not yet measured.
+MM_VSTRIPES = 1
 
 
 def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = MM_BLOCKS_PER_SM) -> int:
@@ -371,7 +374,7 @@ class FusedGpu:
         """(floats, counters) a launch needs at the widest batch: two partial row blocks per thread
         block, a counter per row block."""
         gx, n_rb = self.mm_grid(weights, mode)
-        return 2 * gx * MAX_T * 64, n_rb
+        return 2 * gx * MM_VSTRIPES * MAX_T * 64, n_rb + (2 if MM_VSTRIPES > 1 else 0)   # + the stripe cursor
 
     def op_mm(self, label: str, segs: Sequence[tuple[TcWeight, Any, int, int]], act: ActBuffer, T: int, mode: int,
               ws: MmWorkspace, out_act: ActBuffer | None = None, variant: tuple[str, ...] = ()) -> Op:
@@ -407,8 +410,10 @@ class FusedGpu:
             keep += [w.data] + ([y] if y is not None else [])
         seg_dev = xp.asarray(table.view(np.uint8))
         keep.append(seg_dev)
-        if ws.ws.size < 2 * gx * T * 64 or ws.counters.size < n_rb:
+        if ws.ws.size < 2 * gx * MM_VSTRIPES * T * 64 or ws.counters.size < n_rb + (2 if MM_VSTRIPES > 1 else 0):
             raise ValueError(f"{label}: workspace too small")
+        if MM_VSTRIPES > 1:
+            variant = tuple(variant) + (f"MM_VSTRIPES={MM_VSTRIPES}",)
         if getattr(self.dev, "name", "") == "hip" and "MM_ISSUER_WARP=0" not in variant:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))

@@ -34,6 +34,12 @@ __all__ = ["EmuDevice", "emu_unavailable_reason", "MM_CONFIGS"]
 MM_CONFIGS = tuple((qt, nt, mode) for qt in (1, 8, 12, 13, 14, 23) for nt in (1, 2, 3, 4) for mode in (0, 1, 2))
 
 
+def _mm_vstripes() -> int:
+    """kernels/fused_gpu.py MM_VSTRIPES, which the emulated mma_matmul library is built with."""
+    from kernels import fused_gpu
+    return int(fused_gpu.MM_VSTRIPES)
+
+
 def emu_unavailable_reason() -> str | None:
     if shutil.which(CXX) is None:
         return f"no C++ compiler ({CXX})"
@@ -179,6 +185,8 @@ class EmuDevice:
         if source == "mma_matmul.cu" and defines:
             d = dict(x.split("=") for x in defines)
             cfg = (int(d["MM_QT"]), int(d["MM_NT"]), int(d["MM_MODE"]))
+            if int(d.pop("MM_VSTRIPES", _mm_vstripes())) != _mm_vstripes():
+                raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
             if cfg not in MM_CONFIGS or len(d) != 3:
                 raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
             return self._library("mma_matmul.cu").kernel("mm_tc__{}_{}_{}".format(*cfg))
@@ -205,6 +213,8 @@ class EmuDevice:
             if lib is None:
                 code = _inline_includes((KERNELS / source).read_text())
                 body = ['#include "emu.cpp"', code]
+                if source == "mma_matmul.cu" and _mm_vstripes() > 1:    # the build's stripes per block
+                    body.insert(1, f"#define MM_VSTRIPES {_mm_vstripes()}")
                 if source == "mma_matmul.cu":
                     for qt, nt, mode in MM_CONFIGS:
                         sym = f"mm_tc__{qt}_{nt}_{mode}"
