@@ -247,6 +247,60 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
             d.block_order(False)
 
 
+def test_mm_virtual_stripes_keep_rows_batch_invariant(dev, monkeypatch):
+    """MM_VSTRIPES (off by default): a T = 1 launch hands its stripes to whichever block asks next
+    (a cursor in the counters, the issuer naming each stage's stripe, an empty stage ending the
+    loop), a wide one walks them in a fixed order. The bug it could bring: a decode row that no
+    longer equals the verify row of the same token (speculative decoding compares them), a stripe
+    run twice or never (wrong sums), or a cursor not reset for the next launch (the second launch
+    of a pair loses stripes). Every epilogue, both block orders, two launches each."""
+    import kernels.fused_gpu as fused_gpu
+    monkeypatch.setattr(fused_gpu, "MM_VSTRIPES", 4)
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(29)
+    n_out, n_in = 832, 1280
+    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
+    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
+    ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+    x = rng.standard_normal((23, n_in)).astype(np.float32)
+    _, xr = _act(fg, x, n_in)                    # the f16-rounded activations the products read
+    ref_g = fused_ref.mm_ref(xr, raw_g, QT_Q4_K, n_in)
+    ref = {MODE_STORE: ref_g, MODE_ADD: ref_g,
+           MODE_SWIGLU: fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))}
+    orders = (False, True) if name == "emu" else (False,)
+    try:
+        for mode in (MODE_STORE, MODE_ADD, MODE_SWIGLU):
+            rows = {}
+            for T in (1, 23):
+                act, _ = _act(fg, x[:T], n_in)
+                for reverse in orders:
+                    if name == "emu":
+                        d.block_order(reverse)
+                    for launch in range(2):
+                        if mode == MODE_SWIGLU:
+                            out = ActBuffer(xp, n_out)
+                            fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out)()
+                            got = fused_ref.act_values(out.read_rows(T)[0], n_out)
+                        elif mode == MODE_ADD:
+                            acc = xp.zeros((T, n_out), dtype=xp.int64)
+                            fg.op_mm("t", [(wg, acc, 0, n_out)], act, T, mode, ws)()
+                            got = fused_ref.fixed_values(_h(xp, acc))
+                        else:
+                            y = xp.zeros((T, n_out), dtype=xp.float32)
+                            fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)()
+                            got = _h(xp, y)
+                        err = _rel(got, ref[mode][:T])
+                        assert err <= 2e-3, f"{name} T={T} mode {mode} reverse={reverse} launch {launch}: {err:.3g}"
+                        rows.setdefault(T, []).append(got)
+            assert all(np.array_equal(g, rows[1][0]) for g in rows[1]), f"mode {mode}: T=1 bits moved"
+            assert all(np.array_equal(g, rows[23][0]) for g in rows[23]), f"mode {mode}: T=23 bits moved"
+            assert np.array_equal(rows[1][0][0], rows[23][0][0]), f"mode {mode}: decode row != verify row"
+    finally:
+        if name == "emu":
+            d.block_order(False)
+
+
 def test_mm_segments_and_residual_add(dev):
     """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
     prep_rows folds into the residual (x + acc, written to the other x buffer, the next

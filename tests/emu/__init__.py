@@ -208,8 +208,9 @@ class EmuDevice:
 
     # -- builds ---------------------------------------------------------------------------------
     def _library(self, source: str) -> _Library:
+        key = f"{source}:{_mm_vstripes()}" if source == "mma_matmul.cu" else source   # one build per stripe count
         with self._lock:
-            lib = self._libs.get(source)
+            lib = self._libs.get(key)
             if lib is None:
                 code = _inline_includes((KERNELS / source).read_text())
                 body = ['#include "emu.cpp"', code]
@@ -226,7 +227,7 @@ class EmuDevice:
                 names = _kernel_names(_preprocess("\n".join(body)))
                 body += [f"EMU_EXPORT({n})" for n in names]
                 path = _build(source.replace(".", "_"), "\n".join(body))
-                lib = self._libs[source] = _Library(path)
+                lib = self._libs[key] = _Library(path)
                 lib.reverse_blocks = getattr(self, "_reverse_blocks", False)
             return lib
 
