@@ -1140,41 +1140,45 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs);
         }
     };
+    // The stripe [f0, f1), row block by row block: a macro, not a lambda, because a lambda changed the
+    // T <= 8 code the compiler makes (whose one-stripe build is the measured default).
+#define MM_WALK_STRIPE() \
+    if (NT == 1) {                                                                                                   \
+        /* T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20 */                     \
+        /* instructions a stage shorter and as fast alone, but the 27B decode graph ran 0.085 ms */                  \
+        /* slower with it: 6.85 against 6.77 ms, same session; why is open.) */                                      \
+        int sb = f0 - rb * n_sb;                                                                                     \
+        auto next_sb = [&]() {                                                                                       \
+            if (++k == n_stages) { k = 0; phase ^= 1u; }                                                             \
+            if (++sb == n_sb) { sb = 0; ++rb; }                                                                      \
+        };                                                                                                           \
+        for (int f = f0; f < f1; ++f, next_sb()) {                                                                   \
+            if (f == f0 || sb == 0) new_row_block();                                                                 \
+            run_stage(f);                                                                                            \
+            if (sb != n_sb - 1 && f != f1 - 1) continue;                                                             \
+            end_row_block();                                                                                         \
+        }                                                                                                            \
+    } else {                                                                                                         \
+        /* Wider batches: row blocks outside, their superblocks inside, so the inner loop carries */                 \
+        /* only the stage ring and f (verify graph W=32 16.5 -> 16.0 ms, W=23 -0.1 ms). */                           \
+        int f = f0;                                                                                                  \
+        while (f < f1) {                                                                                             \
+            new_row_block();                                                                                         \
+            const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    /* the row block's last superblock here, + 1 */ \
+            for (; f < f_end; ++f) {                                                                                 \
+                run_stage(f);                                                                                        \
+                if (++k == n_stages) { k = 0; phase ^= 1u; }                                                         \
+            }                                                                                                        \
+            end_row_block();                                                                                         \
+            ++rb;                                                                                                    \
+        }                                                                                                            \
+    }
 #if MM_VSTRIPES > 1
     // One stripe after another; each one's cut row blocks are exchanged at its end, as a block's
     // single stripe otherwise is.
     for (;;) {
         rb = f0 / max(n_sb, 1);
-        if (NT == 1) {
-            // T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20
-            // instructions a stage shorter and as fast alone, but the 27B decode graph ran 0.085 ms
-            // slower with it: 6.85 against 6.77 ms, same session; why is open.)
-            int sb = f0 - rb * n_sb;
-            auto next_sb = [&]() {
-                if (++k == n_stages) { k = 0; phase ^= 1u; }
-                if (++sb == n_sb) { sb = 0; ++rb; }
-            };
-            for (int f = f0; f < f1; ++f, next_sb()) {
-                if (f == f0 || sb == 0) new_row_block();
-                run_stage(f);
-                if (sb != n_sb - 1 && f != f1 - 1) continue;
-                end_row_block();
-            }
-        } else {
-            // Wider batches: row blocks outside, their superblocks inside, so the inner loop carries
-            // only the stage ring and f (verify graph W=32 16.5 -> 16.0 ms, W=23 -0.1 ms).
-            int f = f0;
-            while (f < f1) {
-                new_row_block();
-                const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    // the row block's last superblock here, + 1
-                for (; f < f_end; ++f) {
-                    run_stage(f);
-                    if (++k == n_stages) { k = 0; phase ^= 1u; }
-                }
-                end_row_block();
-                ++rb;
-            }
-        }
+        MM_WALK_STRIPE();
 #ifndef MM_NO_EXCHANGE
         if (tail_rb >= 0 || head_rb >= 0) finish_cuts(tail_rb, acc);
 #endif
@@ -1193,37 +1197,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         f1 = stripe_lo(v + 1);
     }
 #else
-    if (NT == 1) {
-        // T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20
-        // instructions a stage shorter and as fast alone, but the 27B decode graph ran 0.085 ms
-        // slower with it: 6.85 against 6.77 ms, same session; why is open.)
-        int sb = f0 - rb * n_sb;
-        auto next_sb = [&]() {
-            if (++k == n_stages) { k = 0; phase ^= 1u; }
-            if (++sb == n_sb) { sb = 0; ++rb; }
-        };
-        for (int f = f0; f < f1; ++f, next_sb()) {
-            if (f == f0 || sb == 0) new_row_block();
-            run_stage(f);
-            if (sb != n_sb - 1 && f != f1 - 1) continue;
-            end_row_block();
-        }
-    } else {
-        // Wider batches: row blocks outside, their superblocks inside, so the inner loop carries
-        // only the stage ring and f (verify graph W=32 16.5 -> 16.0 ms, W=23 -0.1 ms).
-        int f = f0;
-        while (f < f1) {
-            new_row_block();
-            const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    // the row block's last superblock here, + 1
-            for (; f < f_end; ++f) {
-                run_stage(f);
-                if (++k == n_stages) { k = 0; phase ^= 1u; }
-            }
-            end_row_block();
-            ++rb;
-        }
-    }
-
+    MM_WALK_STRIPE();
 #if ST_ON
     if (st_rec) {
         unsigned smid;
@@ -1235,6 +1209,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (tail_rb >= 0 || head_rb >= 0) finish_cuts(tail_rb, acc);
 #endif
 #endif
+#undef MM_WALK_STRIPE
 #if ST_ON
     if (st_rec) { st_rec[3] = st_clock(); st_rec[7] = st_timer(); }
 #endif

@@ -194,6 +194,27 @@ def test_mm_software_pipeline_equals_tma(dev, variant):
                 assert np.array_equal(got[0], got[1]), f"type {qtype} T={T} mode {mode}: {variant} differs from TMA"
 
 
+def _gate_up_launch(fg, mode, wg, wu, act, T, ws, base):
+    """One launch of the Q4_K gate (and up) matrices in `mode`; returns (launch, values [T, n_out]):
+    STORE over `base` (it must overwrite it), ADD into a zero fixed-point accumulator, SwiGLU as the
+    next product's f16 activations."""
+    xp, n_out = fg.xp, wg.n_out
+    if mode == MODE_SWIGLU:
+        out = ActBuffer(xp, n_out)
+        op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out)
+        op()
+        return op, fused_ref.act_values(out.read_rows(T)[0], n_out)
+    if mode == MODE_ADD:
+        acc = xp.zeros((T, n_out), dtype=xp.int64)
+        op = fg.op_mm("t", [(wg, acc, 0, n_out)], act, T, mode, ws)
+        op()
+        return op, fused_ref.fixed_values(_h(xp, acc))
+    y = xp.array(base)
+    op = fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)
+    op()
+    return op, _h(xp, y)
+
+
 def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
     """A row block cut between stripes is summed by whichever of its parts arrives last: the
     stripe ending on it (at its end), or the stripe starting on it (whose early arrival turns out
@@ -220,24 +241,10 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
                 for reverse in orders:
                     if name == "emu":
                         d.block_order(reverse)
-                    if mode == MODE_SWIGLU:
-                        out = ActBuffer(xp, n_out)
-                        op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out)
-                        op()
-                        got.append(fused_ref.act_values(out.read_rows(T)[0], n_out))
-                        ref = fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))
-                    elif mode == MODE_ADD:                # into the fixed-point accumulator
-                        acc = xp.zeros((T, n_out), dtype=xp.int64)
-                        op = fg.op_mm("t", [(wg, acc, 0, n_out)], act, T, mode, ws)
-                        op()
-                        got.append(fused_ref.fixed_values(_h(xp, acc)))
-                        ref = ref_g
-                    else:
-                        y = xp.array(base)
-                        op = fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)
-                        op()
-                        got.append(_h(xp, y))
-                        ref = ref_g
+                    op, vals = _gate_up_launch(fg, mode, wg, wu, act, T, ws, base)
+                    got.append(vals)
+                    ref = (fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))
+                           if mode == MODE_SWIGLU else ref_g)
                     assert op.grid[0] == 4 * MM_BLOCKS_PER_SM or name != "emu", op.grid   # emulator: 4 SMs
                     err = _rel(got[-1], ref)
                     assert err <= 2e-3, f"{name} T={T} mode {mode} reverse={reverse}: {err:.3g}"
@@ -278,18 +285,7 @@ def test_mm_virtual_stripes_keep_rows_batch_invariant(dev, monkeypatch):
                     if name == "emu":
                         d.block_order(reverse)
                     for launch in range(2):
-                        if mode == MODE_SWIGLU:
-                            out = ActBuffer(xp, n_out)
-                            fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out)()
-                            got = fused_ref.act_values(out.read_rows(T)[0], n_out)
-                        elif mode == MODE_ADD:
-                            acc = xp.zeros((T, n_out), dtype=xp.int64)
-                            fg.op_mm("t", [(wg, acc, 0, n_out)], act, T, mode, ws)()
-                            got = fused_ref.fixed_values(_h(xp, acc))
-                        else:
-                            y = xp.zeros((T, n_out), dtype=xp.float32)
-                            fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)()
-                            got = _h(xp, y)
+                        _, got = _gate_up_launch(fg, mode, wg, wu, act, T, ws, np.zeros((T, n_out), np.float32))
                         err = _rel(got, ref[mode][:T])
                         assert err <= 2e-3, f"{name} T={T} mode {mode} reverse={reverse} launch {launch}: {err:.3g}"
                         rows.setdefault(T, []).append(got)
