@@ -194,6 +194,15 @@ def test_mm_software_pipeline_equals_tma(dev, variant):
                 assert np.array_equal(got[0], got[1]), f"type {qtype} T={T} mode {mode}: {variant} differs from TMA"
 
 
+def _gate_up_weights(fg, rng):
+    """Random Q4_K gate and up matrices of 13 row blocks of 5 superblocks (16 stripes of ~4 on the
+    emulator's 4 multiprocessors: row blocks of 2 and of 3 parts) and a workspace for them."""
+    n_out, n_in = 832, 1280
+    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
+    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
+    return n_out, n_in, raw_g, raw_u, wg, wu, MmWorkspace(fg.xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+
+
 def _gate_up_launch(fg, mode, wg, wu, act, T, ws, base):
     """One launch of the Q4_K gate (and up) matrices in `mode`; returns (launch, values [T, n_out]):
     STORE over `base` (it must overwrite it), ADD into a zero fixed-point accumulator, SwiGLU as the
@@ -225,10 +234,7 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(23)
-    n_out, n_in = 832, 1280
-    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
-    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
-    ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+    n_out, n_in, raw_g, raw_u, wg, wu, ws = _gate_up_weights(fg, rng)
     orders = (False, True) if name == "emu" else (False,)
     try:
         for T in (1, 23):
@@ -266,10 +272,7 @@ def test_mm_virtual_stripes_keep_rows_batch_invariant(dev, monkeypatch):
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(29)
-    n_out, n_in = 832, 1280
-    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
-    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
-    ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+    n_out, n_in, raw_g, raw_u, wg, wu, ws = _gate_up_weights(fg, rng)
     x = rng.standard_normal((23, n_in)).astype(np.float32)
     _, xr = _act(fg, x, n_in)                    # the f16-rounded activations the products read
     ref_g = fused_ref.mm_ref(xr, raw_g, QT_Q4_K, n_in)
