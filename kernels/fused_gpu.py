@@ -167,6 +167,13 @@ MM_BLOCKS_PER_SM = 4
 MM_VSTRIPES = 1
 
 
+def mm_workspace_size(gx: int, n_rb: int, T: int) -> tuple[int, int]:
+    """(floats, counters) an mm_tc launch of gx blocks over n_rb row blocks needs for T rows: two
+    partial row blocks per stripe, a counter per row block (and, with virtual stripes, the cursor
+    and its count after them)."""
+    return 2 * gx * MM_VSTRIPES * T * 64, n_rb + (2 if MM_VSTRIPES > 1 else 0)
+
+
 def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = MM_BLOCKS_PER_SM) -> int:
     """Thread blocks of an mm_tc launch: MM_BLOCKS_PER_SM per multiprocessor, at least 4
     superblocks of work each. A function of the matrix only, never of the batch width (rows stay
@@ -373,8 +380,7 @@ class FusedGpu:
     def workspace_need(self, weights: Sequence[TcWeight], mode: int) -> tuple[int, int]:
         """(floats, counters) a launch needs at the widest batch: two partial row blocks per thread
         block, a counter per row block."""
-        gx, n_rb = self.mm_grid(weights, mode)
-        return 2 * gx * MM_VSTRIPES * MAX_T * 64, n_rb + (2 if MM_VSTRIPES > 1 else 0)   # + the stripe cursor
+        return mm_workspace_size(*self.mm_grid(weights, mode), MAX_T)
 
     def op_mm(self, label: str, segs: Sequence[tuple[TcWeight, Any, int, int]], act: ActBuffer, T: int, mode: int,
               ws: MmWorkspace, out_act: ActBuffer | None = None, variant: tuple[str, ...] = ()) -> Op:
@@ -410,7 +416,8 @@ class FusedGpu:
             keep += [w.data] + ([y] if y is not None else [])
         seg_dev = xp.asarray(table.view(np.uint8))
         keep.append(seg_dev)
-        if ws.ws.size < 2 * gx * MM_VSTRIPES * T * 64 or ws.counters.size < n_rb + (2 if MM_VSTRIPES > 1 else 0):
+        need_f, need_c = mm_workspace_size(gx, n_rb, T)
+        if ws.ws.size < need_f or ws.counters.size < need_c:
             raise ValueError(f"{label}: workspace too small")
         if MM_VSTRIPES > 1:
             variant = tuple(variant) + (f"MM_VSTRIPES={MM_VSTRIPES}",)

@@ -232,7 +232,6 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
     bits, and the reference, in every epilogue. Shape: 13 row blocks of 5 superblocks over 16
     stripes of ~4 superblocks (row blocks of 2 and of 3 parts)."""
     name, d, fg = dev
-    xp = fg.xp
     rng = np.random.default_rng(23)
     n_out, n_in, raw_g, raw_u, wg, wu, ws = _gate_up_weights(fg, rng)
     orders = (False, True) if name == "emu" else (False,)
@@ -270,7 +269,6 @@ def test_mm_virtual_stripes_keep_rows_batch_invariant(dev, monkeypatch):
     import kernels.fused_gpu as fused_gpu
     monkeypatch.setattr(fused_gpu, "MM_VSTRIPES", 4)
     name, d, fg = dev
-    xp = fg.xp
     rng = np.random.default_rng(29)
     n_out, n_in, raw_g, raw_u, wg, wu, ws = _gate_up_weights(fg, rng)
     x = rng.standard_normal((23, n_in)).astype(np.float32)

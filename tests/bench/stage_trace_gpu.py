@@ -136,7 +136,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     context = model.new_state(256 + 40)
     model.prefill(rng.integers(0, model.n_vocab, 256).tolist(), context, logits="last")
-    ops = step.ops_for(1, "advance", "last", n_keys=context.n_past + 1)
+    step.ops_for(1, "advance", "last", n_keys=context.n_past + 1)          # builds the step's plan
     key = step.plan_key(1, "advance", "last", context.n_past + 1)
     state = context.copy()
     step._bind(state)
@@ -155,7 +155,6 @@ def main() -> None:
         step._launch(key, None)
         _sync(b)
         recs.append(_records(cp, tables))
-    del ops
     summarise(f"gate|up T=1 in the decode graph {' '.join(extra)}", np.concatenate(recs),
               np.concatenate([np.full(len(x), i) for i, x in enumerate(recs)]))
 

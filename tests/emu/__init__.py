@@ -185,9 +185,8 @@ class EmuDevice:
         if source == "mma_matmul.cu" and defines:
             d = dict(x.split("=") for x in defines)
             cfg = (int(d["MM_QT"]), int(d["MM_NT"]), int(d["MM_MODE"]))
-            if int(d.pop("MM_VSTRIPES", _mm_vstripes())) != _mm_vstripes():
-                raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
-            if cfg not in MM_CONFIGS or len(d) != 3:
+            stripes = int(d.pop("MM_VSTRIPES", _mm_vstripes()))     # the library is built for one count
+            if cfg not in MM_CONFIGS or len(d) != 3 or stripes != _mm_vstripes():
                 raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
             return self._library("mma_matmul.cu").kernel("mm_tc__{}_{}_{}".format(*cfg))
         if defines:
