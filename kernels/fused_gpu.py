@@ -158,20 +158,16 @@ def as_f16_rows(raw: np.ndarray, qtype: int, n_out: int, n_in: int) -> np.ndarra
     return out.view(np.uint8)
 
 
-# Thread blocks of an mm_tc launch per multiprocessor: 4 are resident at once. More than 4 would run
-# as later waves, the hardware handing each next stripe to whichever slot frees first: a way to cut
-# the tail of slow blocks a T = 1 launch waits for (GPU_NOTES, nineteenth session), not yet measured.
+# Thread blocks of an mm_tc launch per multiprocessor: 4 are resident at once. 8 (two waves, the
+# hardware handing each later stripe to whichever slot frees first) ran the 27B decode graph 0.83 ms
+# slower: every block pays its pipeline's fill (GPU_NOTES, twentieth session).
 MM_BLOCKS_PER_SM = 4
-# Stripes per thread block (mma_matmul.cu MM_VSTRIPES; 1: one stripe each, the default): with K > 1
-# a T <= 8 launch hands its K * grid stripes to whichever block asks next. Not yet measured.
-MM_VSTRIPES = 1
 
 
 def mm_workspace_size(gx: int, n_rb: int, T: int) -> tuple[int, int]:
     """(floats, counters) an mm_tc launch of gx blocks over n_rb row blocks needs for T rows: two
-    partial row blocks per stripe, a counter per row block (and, with virtual stripes, the cursor
-    and its count after them)."""
-    return 2 * gx * MM_VSTRIPES * T * 64, n_rb + (2 if MM_VSTRIPES > 1 else 0)
+    partial row blocks per block, a counter per row block."""
+    return 2 * gx * T * 64, n_rb
 
 
 def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = MM_BLOCKS_PER_SM) -> int:
@@ -419,8 +415,6 @@ class FusedGpu:
         need_f, need_c = mm_workspace_size(gx, n_rb, T)
         if ws.ws.size < need_f or ws.counters.size < need_c:
             raise ValueError(f"{label}: workspace too small")
-        if MM_VSTRIPES > 1:
-            variant = tuple(variant) + (f"MM_VSTRIPES={MM_VSTRIPES}",)
         if getattr(self.dev, "name", "") == "hip" and "MM_ISSUER_WARP=0" not in variant:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))

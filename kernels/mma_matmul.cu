@@ -78,17 +78,6 @@
 #endif
 #endif
 #define MM_SEPARATE_ISSUER(NT) (MM_ISSUER_WARP && (NT) == 1)
-// Virtual stripes (MM_VSTRIPES = K > 1, not the default; GPU_NOTES, nineteenth session): the flat
-// space is cut into K stripes per thread block, each summed and exchanged exactly as a block's
-// stripe is otherwise, and a block walks several of them, its issuer prefetching across their
-// boundaries. At T <= 8 the issuer takes each next stripe from a per-launch cursor (counters[n_rb],
-// the blocks that finish early take more), so a launch no longer waits for its slowest blocks to
-// finish equal shares; wider launches walk stripes b, b + G, b + 2G, ... The cut points and the
-// order every cut row block's parts are summed in depend on the matrix and the grid only, so rows
-// stay batch-invariant whichever block ran which stripe.
-#ifndef MM_VSTRIPES
-#define MM_VSTRIPES 1
-#endif
 #define MM_BLOCK_THREADS(NT) (MM_SEPARATE_ISSUER(NT) ? 160 : 128)
 #define MM_ISSUER(NT) (MM_SEPARATE_ISSUER(NT) ? 4 : 0)
 // The computing warps' own barrier (the issuer warp, when separate, never joins it).
@@ -672,18 +661,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         for (int s = 0; s < n_segs; ++s) n_rb += (segs[s].n_tiles + 3) >> 2;
     const int W = n_rb * n_sb;
     const int Gn = gridDim.x;
-#if MM_VSTRIPES > 1
-    const int Gs = Gn * MM_VSTRIPES;             // stripes of the launch
-    auto stripe_lo = [&](int v) { return (int)((long long)v * W / Gs); };
-    int v = blockIdx.x;                          // the computing warps' stripe
-    int f0 = stripe_lo(v), f1 = stripe_lo(v + 1);
-#define MM_STRIPE_ID v
-#define MM_N_STRIPES Gs
-#else
     const int f0 = (int)((long long)blockIdx.x * W / Gn), f1 = (int)((long long)(blockIdx.x + 1) * W / Gn);
-#define MM_STRIPE_ID blockIdx.x
-#define MM_N_STRIPES Gn
-#endif
 #if ST_ON
     unsigned* st_rec = (NT == 1 && tid == 0) ? st_record() : nullptr;        // thread 0: computing warp 0's lane 0
     unsigned* st_iss = (NT == 1 && warp == MM_ISSUER(NT) && lane == 0) ? st_record() : nullptr;
@@ -730,9 +708,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     __shared__ MmSeg s_segs[4];
     __shared__ __align__(8) unsigned long long s_full[8];
     __shared__ __align__(8) unsigned long long s_empty[8];
-#if MM_VSTRIPES > 1
-    __shared__ int s_stripe[8];                  // the stripe of each stage's superblock (-1: none follows)
-#endif
     if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
     if (tid == 0)
         for (int k = 0; k < n_stages; ++k) {
@@ -750,40 +725,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
-#if MM_VSTRIPES > 1
-    // The issuer's stripe (-1 once none is left), its end, and the stripe it takes after it.
-    int i_v = v, i_f1 = f1, i_next = -1;
-    auto take_stripe = [&]() {                   // the issuer warp: the next stripe after i_v
-        if (!SEPARATE) return i_v + Gn;          // wide launches: a fixed walk
-        int t = 0;
-        if (lane == 0) {
-            t = Gn + atomic_add_acq_rel(&counters[n_rb], 1);
-            if (t >= Gs) {                       // none left for this block: the last to find so resets
-                fence_acq_rel();                 // the cursor for the launch's next replay
-                if (atomic_add_acq_rel(&counters[n_rb + 1], 1) == Gn - 1) {
-                    counters[n_rb] = 0;
-                    counters[n_rb + 1] = 0;
-                }
-            }
-        }
-        return (int)shfl((u32)t, 0);
-    };
-    auto enter_stripe = [&]() {                  // move the issuer to i_next (skipping empty stripes)
-        while (i_f == i_f1) {
-            if (i_next >= Gs) { i_v = -1; return; }
-            i_v = i_next;
-            i_f = stripe_lo(i_v);
-            i_f1 = stripe_lo(i_v + 1);
-            i_rb = i_f / max(n_sb, 1);
-            i_sb = i_f - i_rb * n_sb;
-            rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
-            i_next = take_stripe();
-        }
-    };
-#define MM_ISSUE_MORE (i_v >= 0)
-#else
-#define MM_ISSUE_MORE (i_f < f1)
-#endif
     auto issue_w = [&]() {                       // the issuer warp: lane 0 arms the barrier, the units
         int tiles[4], ss[4];
         unsigned bytes = b_bytes;
@@ -794,9 +735,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         }
         unsigned char* st = smem + i_k * STAGE;
         ST_MARK(st_iss, i_f - f0, 0);
-#if MM_VSTRIPES > 1
-        if (lane == 0) s_stripe[i_k] = i_v;      // published by the arrival below (release)
-#endif
         if (lane == 0) mbar_expect(&s_full[i_k], bytes);
         warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
@@ -830,9 +768,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         issue_w();
         issue_x(i_k, i_sb);
         advance();
-#if MM_VSTRIPES > 1
-        enter_stripe();
-#endif
     };
 
     // Weights do not depend on the previous kernel: the first stages' are requested before
@@ -854,30 +789,12 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             issue_x(k, sbk);
             if (++sbk == n_sb) sbk = 0;
         }
-#if MM_VSTRIPES > 1
-        // (after the wait: the cursor is the previous launch's until that launch has ended)
-        i_next = take_stripe();
-        enter_stripe();
-#endif
     }
     if (SEPARATE && warp == ISSUER) {            // the issuer warp's whole job; it joins no barrier
-#if MM_VSTRIPES > 1
-        while (i_v >= 0) {
-            issue_next();
-            if (i_next >= Gs && i_f >= i_f1 - MM_TRIGGER_AHEAD) trigger_dependents();
-        }
-        // No stripe follows: one more stage, with no bytes, says so to the computing warps.
-        if (i_round > 0) mbar_wait(&s_empty[i_k], (unsigned)(i_round - 1) & 1u);
-        if (lane == 0) {
-            s_stripe[i_k] = -1;
-            mbar_expect(&s_full[i_k], 0);
-        }
-#else
         while (i_f < f1) {
             issue_next();
             if (i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();   // (once: repeats are no-ops)
         }
-#endif
         trigger_dependents();                    // a stripe the prologue issued whole
         return;
     }
@@ -897,9 +814,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // A cut row block's partial sums, in this block's workspace slot (1 when it is the row block's
     // first part, else 0; a stripe cuts at most two row blocks, its first and its last).
     auto put_partial = [&](int rbx, const float (&a)[NT][4]) {
-        const int first = stripe_owner((long long)rbx * n_sb, W, MM_N_STRIPES);
-        const int slot = (int)MM_STRIPE_ID == first ? 1 : 0;
-        float* part = ws + ((size_t)MM_STRIPE_ID * 2 + slot) * (size_t)(T * ROWS);
+        const int first = stripe_owner((long long)rbx * n_sb, W, Gn);
+        const int slot = (int)blockIdx.x == first ? 1 : 0;
+        float* part = ws + ((size_t)blockIdx.x * 2 + slot) * (size_t)(T * ROWS);
         if (warp >= 4) return;                   // the issuer warp holds no tile
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -913,8 +830,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // arrive adds all of them in stripe order (deterministic, whatever T) and runs the epilogue.
     auto parts_of = [&](int rbx, int& first, int& n_part) {
         const long long fa = (long long)rbx * n_sb;
-        first = stripe_owner(fa, W, MM_N_STRIPES);
-        n_part = stripe_owner(fa + n_sb - 1, W, MM_N_STRIPES) - first + 1;
+        first = stripe_owner(fa, W, Gn);
+        n_part = stripe_owner(fa + n_sb - 1, W, Gn) - first + 1;
     };
     // The last part of a cut row block to arrive sums all parts' partials from the workspace (its
     // own included) and runs the epilogue; every computing thread calls it, after an acquire.
@@ -1038,12 +955,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         // on itself) once every warp has released it.
         if (BARRIER_PIPE) {
             __syncthreads();                     // everyone is done with the stage refilled below
-            if (warp == ISSUER && MM_ISSUE_MORE) issue_next();
-#if MM_VSTRIPES > 1
-        } else if (!SEPARATE && warp == ISSUER && (f > f0 || v != (int)blockIdx.x) && MM_ISSUE_MORE) {
-#else
-        } else if (!SEPARATE && warp == ISSUER && f > f0 && MM_ISSUE_MORE) {
-#endif
+            if (warp == ISSUER && i_f < f1) issue_next();
+        } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
             issue_next();
         }
         ST_MARK(st_rec, f - f0, 1);
@@ -1140,64 +1053,37 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs);
         }
     };
-    // The stripe [f0, f1), row block by row block: a macro, not a lambda, because a lambda changed the
-    // T <= 8 code the compiler makes (whose one-stripe build is the measured default).
-#define MM_WALK_STRIPE() \
-    if (NT == 1) {                                                                                                   \
-        /* T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20 */                     \
-        /* instructions a stage shorter and as fast alone, but the 27B decode graph ran 0.085 ms */                  \
-        /* slower with it: 6.85 against 6.77 ms, same session; why is open.) */                                      \
-        int sb = f0 - rb * n_sb;                                                                                     \
-        auto next_sb = [&]() {                                                                                       \
-            if (++k == n_stages) { k = 0; phase ^= 1u; }                                                             \
-            if (++sb == n_sb) { sb = 0; ++rb; }                                                                      \
-        };                                                                                                           \
-        for (int f = f0; f < f1; ++f, next_sb()) {                                                                   \
-            if (f == f0 || sb == 0) new_row_block();                                                                 \
-            run_stage(f);                                                                                            \
-            if (sb != n_sb - 1 && f != f1 - 1) continue;                                                             \
-            end_row_block();                                                                                         \
-        }                                                                                                            \
-    } else {                                                                                                         \
-        /* Wider batches: row blocks outside, their superblocks inside, so the inner loop carries */                 \
-        /* only the stage ring and f (verify graph W=32 16.5 -> 16.0 ms, W=23 -0.1 ms). */                           \
-        int f = f0;                                                                                                  \
-        while (f < f1) {                                                                                             \
-            new_row_block();                                                                                         \
-            const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    /* the row block's last superblock here, + 1 */ \
-            for (; f < f_end; ++f) {                                                                                 \
-                run_stage(f);                                                                                        \
-                if (++k == n_stages) { k = 0; phase ^= 1u; }                                                         \
-            }                                                                                                        \
-            end_row_block();                                                                                         \
-            ++rb;                                                                                                    \
-        }                                                                                                            \
-    }
-#if MM_VSTRIPES > 1
-    // One stripe after another; each one's cut row blocks are exchanged at its end, as a block's
-    // single stripe otherwise is.
-    for (;;) {
-        rb = f0 / max(n_sb, 1);
-        MM_WALK_STRIPE();
-#ifndef MM_NO_EXCHANGE
-        if (tail_rb >= 0 || head_rb >= 0) finish_cuts(tail_rb, acc);
-#endif
-        tail_rb = -1;
-        head_rb = -1;
-        head_old = 0;
-        if (SEPARATE) {                          // the issuer names the next stripe in its first stage
-            mbar_wait(bar_at(full0, k), phase);
-            v = s_stripe[k];
-            if (v < 0) break;
-        } else {
-            v += Gn;
-            if (v >= Gs) break;
+    if (NT == 1) {
+        // T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20
+        // instructions a stage shorter and as fast alone, but the 27B decode graph ran 0.085 ms
+        // slower with it: 6.85 against 6.77 ms, same session; why is open.)
+        int sb = f0 - rb * n_sb;
+        auto next_sb = [&]() {
+            if (++k == n_stages) { k = 0; phase ^= 1u; }
+            if (++sb == n_sb) { sb = 0; ++rb; }
+        };
+        for (int f = f0; f < f1; ++f, next_sb()) {
+            if (f == f0 || sb == 0) new_row_block();
+            run_stage(f);
+            if (sb != n_sb - 1 && f != f1 - 1) continue;
+            end_row_block();
         }
-        f0 = stripe_lo(v);
-        f1 = stripe_lo(v + 1);
+    } else {
+        // Wider batches: row blocks outside, their superblocks inside, so the inner loop carries
+        // only the stage ring and f (verify graph W=32 16.5 -> 16.0 ms, W=23 -0.1 ms).
+        int f = f0;
+        while (f < f1) {
+            new_row_block();
+            const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    // the row block's last superblock here, + 1
+            for (; f < f_end; ++f) {
+                run_stage(f);
+                if (++k == n_stages) { k = 0; phase ^= 1u; }
+            }
+            end_row_block();
+            ++rb;
+        }
     }
-#else
-    MM_WALK_STRIPE();
+
 #if ST_ON
     if (st_rec) {
         unsigned smid;
@@ -1208,15 +1094,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #ifndef MM_NO_EXCHANGE
     if (tail_rb >= 0 || head_rb >= 0) finish_cuts(tail_rb, acc);
 #endif
-#endif
-#undef MM_WALK_STRIPE
 #if ST_ON
     if (st_rec) { st_rec[3] = st_clock(); st_rec[7] = st_timer(); }
 #endif
 #undef ST_MARK
-#undef MM_STRIPE_ID
-#undef MM_N_STRIPES
-#undef MM_ISSUE_MORE
     trigger_dependents();                        // wider batches: only now (MM_TRIGGER_AHEAD above)
 }
 

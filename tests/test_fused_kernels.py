@@ -194,36 +194,6 @@ def test_mm_software_pipeline_equals_tma(dev, variant):
                 assert np.array_equal(got[0], got[1]), f"type {qtype} T={T} mode {mode}: {variant} differs from TMA"
 
 
-def _gate_up_weights(fg, rng):
-    """Random Q4_K gate and up matrices of 13 row blocks of 5 superblocks (16 stripes of ~4 on the
-    emulator's 4 multiprocessors: row blocks of 2 and of 3 parts) and a workspace for them."""
-    n_out, n_in = 832, 1280
-    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
-    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
-    return n_out, n_in, raw_g, raw_u, wg, wu, MmWorkspace(fg.xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
-
-
-def _gate_up_launch(fg, mode, wg, wu, act, T, ws, base):
-    """One launch of the Q4_K gate (and up) matrices in `mode`; returns (launch, values [T, n_out]):
-    STORE over `base` (it must overwrite it), ADD into a zero fixed-point accumulator, SwiGLU as the
-    next product's f16 activations."""
-    xp, n_out = fg.xp, wg.n_out
-    if mode == MODE_SWIGLU:
-        out = ActBuffer(xp, n_out)
-        op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out)
-        op()
-        return op, fused_ref.act_values(out.read_rows(T)[0], n_out)
-    if mode == MODE_ADD:
-        acc = xp.zeros((T, n_out), dtype=xp.int64)
-        op = fg.op_mm("t", [(wg, acc, 0, n_out)], act, T, mode, ws)
-        op()
-        return op, fused_ref.fixed_values(_h(xp, acc))
-    y = xp.array(base)
-    op = fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)
-    op()
-    return op, _h(xp, y)
-
-
 def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
     """A row block cut between stripes is summed by whichever of its parts arrives last: the
     stripe ending on it (at its end), or the stripe starting on it (whose early arrival turns out
@@ -232,8 +202,12 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
     bits, and the reference, in every epilogue. Shape: 13 row blocks of 5 superblocks over 16
     stripes of ~4 superblocks (row blocks of 2 and of 3 parts)."""
     name, d, fg = dev
+    xp = fg.xp
     rng = np.random.default_rng(23)
-    n_out, n_in, raw_g, raw_u, wg, wu, ws = _gate_up_weights(fg, rng)
+    n_out, n_in = 832, 1280
+    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
+    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
+    ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
     orders = (False, True) if name == "emu" else (False,)
     try:
         for T in (1, 23):
@@ -246,53 +220,28 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
                 for reverse in orders:
                     if name == "emu":
                         d.block_order(reverse)
-                    op, vals = _gate_up_launch(fg, mode, wg, wu, act, T, ws, base)
-                    got.append(vals)
-                    ref = (fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))
-                           if mode == MODE_SWIGLU else ref_g)
+                    if mode == MODE_SWIGLU:
+                        out = ActBuffer(xp, n_out)
+                        op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out)
+                        op()
+                        got.append(fused_ref.act_values(out.read_rows(T)[0], n_out))
+                        ref = fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))
+                    elif mode == MODE_ADD:                # into the fixed-point accumulator
+                        acc = xp.zeros((T, n_out), dtype=xp.int64)
+                        op = fg.op_mm("t", [(wg, acc, 0, n_out)], act, T, mode, ws)
+                        op()
+                        got.append(fused_ref.fixed_values(_h(xp, acc)))
+                        ref = ref_g
+                    else:
+                        y = xp.array(base)
+                        op = fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws)
+                        op()
+                        got.append(_h(xp, y))
+                        ref = ref_g
                     assert op.grid[0] == 4 * MM_BLOCKS_PER_SM or name != "emu", op.grid   # emulator: 4 SMs
                     err = _rel(got[-1], ref)
                     assert err <= 2e-3, f"{name} T={T} mode {mode} reverse={reverse}: {err:.3g}"
                 assert all(np.array_equal(g, got[0]) for g in got), f"T={T} mode {mode}: arrival order changed bits"
-    finally:
-        if name == "emu":
-            d.block_order(False)
-
-
-def test_mm_virtual_stripes_keep_rows_batch_invariant(dev, monkeypatch):
-    """MM_VSTRIPES (off by default): a T = 1 launch hands its stripes to whichever block asks next
-    (a cursor in the counters, the issuer naming each stage's stripe, an empty stage ending the
-    loop), a wide one walks them in a fixed order. The bug it could bring: a decode row that no
-    longer equals the verify row of the same token (speculative decoding compares them), a stripe
-    run twice or never (wrong sums), or a cursor not reset for the next launch (the second launch
-    of a pair loses stripes). Every epilogue, both block orders, two launches each."""
-    import kernels.fused_gpu as fused_gpu
-    monkeypatch.setattr(fused_gpu, "MM_VSTRIPES", 4)
-    name, d, fg = dev
-    rng = np.random.default_rng(29)
-    n_out, n_in, raw_g, raw_u, wg, wu, ws = _gate_up_weights(fg, rng)
-    x = rng.standard_normal((23, n_in)).astype(np.float32)
-    _, xr = _act(fg, x, n_in)                    # the f16-rounded activations the products read
-    ref_g = fused_ref.mm_ref(xr, raw_g, QT_Q4_K, n_in)
-    ref = {MODE_STORE: ref_g, MODE_ADD: ref_g,
-           MODE_SWIGLU: fused_ref.swiglu_ref(ref_g, fused_ref.mm_ref(xr, raw_u, QT_Q4_K, n_in))}
-    orders = (False, True) if name == "emu" else (False,)
-    try:
-        for mode in (MODE_STORE, MODE_ADD, MODE_SWIGLU):
-            rows = {}
-            for T in (1, 23):
-                act, _ = _act(fg, x[:T], n_in)
-                for reverse in orders:
-                    if name == "emu":
-                        d.block_order(reverse)
-                    for launch in range(2):
-                        _, got = _gate_up_launch(fg, mode, wg, wu, act, T, ws, np.zeros((T, n_out), np.float32))
-                        err = _rel(got, ref[mode][:T])
-                        assert err <= 2e-3, f"{name} T={T} mode {mode} reverse={reverse} launch {launch}: {err:.3g}"
-                        rows.setdefault(T, []).append(got)
-            assert all(np.array_equal(g, rows[1][0]) for g in rows[1]), f"mode {mode}: T=1 bits moved"
-            assert all(np.array_equal(g, rows[23][0]) for g in rows[23]), f"mode {mode}: T=23 bits moved"
-            assert np.array_equal(rows[1][0][0], rows[23][0][0]), f"mode {mode}: decode row != verify row"
     finally:
         if name == "emu":
             d.block_order(False)

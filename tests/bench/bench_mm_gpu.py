@@ -80,7 +80,7 @@ def main() -> None:
                 op()
             ms = _timed(cp, op, ev0, ev1)
             nbytes = sum(w.nbytes for w in ws_)
-            print(f"{label:18s} {','.join(variant) or 'default':24s} T={T:2d} grid {str(op.grid):12s} smem {op.smem // 1024:3d} KB  regs {getattr(op.kernel, 'num_regs', 0):3d} {ms * 1e3:8.1f} us  "
+            print(f"{label:18s} {','.join(variant) or 'default':24s} T={T:2d} grid {str(op.grid):12s} smem {op.smem // 1024:3d} KB  regs {getattr(op.kernel, 'num_regs', 0):3d} local {getattr(op.kernel, 'local_size_bytes', 0):3d} {ms * 1e3:8.1f} us  "
                   f"{nbytes / (ms / 1e3) / 1e9:6.0f} GB/s  ({100 * nbytes / (ms / 1e3) / 1e9 / copy_gbs:4.1f}% of copy)")
         if stream is not None:
             for w in ws_:

@@ -34,12 +34,6 @@ __all__ = ["EmuDevice", "emu_unavailable_reason", "MM_CONFIGS"]
 MM_CONFIGS = tuple((qt, nt, mode) for qt in (1, 8, 12, 13, 14, 23) for nt in (1, 2, 3, 4) for mode in (0, 1, 2))
 
 
-def _mm_vstripes() -> int:
-    """kernels/fused_gpu.py MM_VSTRIPES, which the emulated mma_matmul library is built with."""
-    from kernels import fused_gpu
-    return int(fused_gpu.MM_VSTRIPES)
-
-
 def emu_unavailable_reason() -> str | None:
     if shutil.which(CXX) is None:
         return f"no C++ compiler ({CXX})"
@@ -185,8 +179,7 @@ class EmuDevice:
         if source == "mma_matmul.cu" and defines:
             d = dict(x.split("=") for x in defines)
             cfg = (int(d["MM_QT"]), int(d["MM_NT"]), int(d["MM_MODE"]))
-            stripes = int(d.pop("MM_VSTRIPES", _mm_vstripes()))     # the library is built for one count
-            if cfg not in MM_CONFIGS or len(d) != 3 or stripes != _mm_vstripes():
+            if cfg not in MM_CONFIGS or len(d) != 3:
                 raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
             return self._library("mma_matmul.cu").kernel("mm_tc__{}_{}_{}".format(*cfg))
         if defines:
@@ -207,14 +200,11 @@ class EmuDevice:
 
     # -- builds ---------------------------------------------------------------------------------
     def _library(self, source: str) -> _Library:
-        key = f"{source}:{_mm_vstripes()}" if source == "mma_matmul.cu" else source   # one build per stripe count
         with self._lock:
-            lib = self._libs.get(key)
+            lib = self._libs.get(source)
             if lib is None:
                 code = _inline_includes((KERNELS / source).read_text())
                 body = ['#include "emu.cpp"', code]
-                if source == "mma_matmul.cu" and _mm_vstripes() > 1:    # the build's stripes per block
-                    body.insert(1, f"#define MM_VSTRIPES {_mm_vstripes()}")
                 if source == "mma_matmul.cu":
                     for qt, nt, mode in MM_CONFIGS:
                         sym = f"mm_tc__{qt}_{nt}_{mode}"
@@ -226,7 +216,7 @@ class EmuDevice:
                 names = _kernel_names(_preprocess("\n".join(body)))
                 body += [f"EMU_EXPORT({n})" for n in names]
                 path = _build(source.replace(".", "_"), "\n".join(body))
-                lib = self._libs[key] = _Library(path)
+                lib = self._libs[source] = _Library(path)
                 lib.reverse_blocks = getattr(self, "_reverse_blocks", False)
             return lib
 
