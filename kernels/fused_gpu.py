@@ -438,7 +438,10 @@ class FusedGpu:
         folded rows then go to x_out and acc_zero's rows are cleared (either may be None).
         col_blocks: blocks per row (default: prep_block_cols' choice by the number of rows).
         cluster: a norm's column blocks as one thread-block cluster per row (prep_cluster_cols;
-        default: where the device has clusters). Every split and either kernel give the same bits."""
+        default: where the device has clusters). Every split and either kernel give the same bits.
+        The cluster kernel loads x before its dependency wait: x must not be written by the launch
+        just before it (in the step only acc is; x is the fold's output from two or more launches
+        back, and that launch triggers its dependents only after its own wait)."""
         for a, dt in ((acc, "int64"), (acc_zero, "int64"), (x_out, "float32")):
             if a is not None and str(a.dtype) != dt:
                 raise ValueError(f"{label}: {dt} buffer expected, got {a.dtype}")
