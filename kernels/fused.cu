@@ -286,8 +286,8 @@ __device__ __forceinline__ void prep_rows_cluster(PREP_ARGS) {
     // by the fold before it (or the embedding), at least two launches back, and the launch just
     // before passed its own wait before letting this one start, so that fold has finished. Loaded
     // from L2 (.cg): no line an earlier launch left in this multiprocessor's L1 can be read. The
-    // x loads missed L2 (a layer's weights stream through it in between): without them the 27B
-    // decode graph ran 0.07 ms shorter (H200, timing-only build, twentieth session).
+    // x loads after the wait missed L2 (a layer's weights stream through it in between): loading
+    // them here took the 27B decode graph from 6.589 to 6.479 ms (H200, twentieth session).
     float v[PREP_CPB];
 #pragma unroll
     for (int k = 0; k < PREP_CPB; ++k) {         // this block's columns only, all loads in flight
