@@ -590,8 +590,10 @@ __device__ __noinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int 
 }
 
 // A row block wholly inside this stripe: STORE / ADD straight from the MMA fragments (no barrier);
-// SwiGLU through shared memory (gate and up rows sit in different warps).
-template <int NT, int MODE>
+// SwiGLU through shared memory (gate and up rows sit in different warps). IN_STAGE: sres is the
+// pipeline stage the row block's last superblock was read from, which other warps may still be
+// reading: a barrier first.
+template <int NT, int MODE, bool IN_STAGE>
 __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], const MmSeg* s_segs, int seg, int lrb, int warp,
                                                  int lane, int T, float* sres, u16* __restrict__ out16,
                                                  u16* __restrict__ outxs) {
@@ -611,6 +613,7 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
                 }
             }
     } else {
+        if (IN_STAGE) mm_sync<NT>();
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -635,7 +638,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     constexpr int ROWS = 64;                     // rows (4 tiles) per row block
     constexpr int SROW = MM_SROW;
     DYN_SMEM(unsigned char, smem);               // n_stages pipeline stages
-    __shared__ float sres[MODE == MODE_SWIGLU ? 32 * SROW : 1];   // a SwiGLU row block's result
+    // A SwiGLU row block's result rows (T x SROW floats). At NT = 4 (T = 25..32) they live in the
+    // stage the row block's last superblock was read from (T rows of 512 bytes a stage hold T rows
+    // of SROW floats), which the block-barrier pipeline refills only after the next stage's
+    // barrier: without these 8.7 KB of static shared memory a T = 32 gate|up launch fits four
+    // blocks a multiprocessor, not three (its fixed grid in two waves). Narrower launches keep
+    // static rows: they fit four blocks either way (registers allow no fifth), and the separate
+    // issuer (T <= 8) refills a stage as soon as its warps release it.
+    constexpr bool SRES_IN_STAGE = MODE == MODE_SWIGLU && NT >= 4 && !MM_SEPARATE_ISSUER(NT);
+    __shared__ float sres_static[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? 32 * SROW : 1];
     __shared__ int s_last[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
@@ -705,6 +716,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #define MM_BARRIER_PIPE 1
 #endif
     constexpr bool BARRIER_PIPE = !SEPARATE && MM_BARRIER_PIPE;
+    static_assert(!SRES_IN_STAGE || BARRIER_PIPE, "result rows in a stage need the block-barrier pipeline");
     __shared__ MmSeg s_segs[4];
     __shared__ __align__(8) unsigned long long s_full[8];
     __shared__ __align__(8) unsigned long long s_empty[8];
@@ -811,6 +823,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it
     int k = 0, rb = f0 / max(n_sb, 1);
     unsigned phase = 0;
+    // The result rows of a SwiGLU row block whose last superblock here was read from stage k_last
+    // (at the stripe's end no copy is in flight: any stage will do).
+    auto res_rows = [&](int k_last) -> float* { return SRES_IN_STAGE ? (float*)(smem + k_last * STAGE) : sres_static; };
     // A cut row block's partial sums, in this block's workspace slot (1 when it is the row block's
     // first part, else 0; a stripe cuts at most two row blocks, its first and its last).
     auto put_partial = [&](int rbx, const float (&a)[NT][4]) {
@@ -879,11 +894,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
                 for (int e = 0; e < EPT; ++e) {
                     const int i = tid + MM_THREADS * e;
-                    if (i < n_el) sres[(i / ROWS) * SROW + (i % ROWS)] = v[e];
+                    if (i < n_el) res_rows(0)[(i / ROWS) * SROW + (i % ROWS)] = v[e];
                 }
             }
             mm_sync<NT>();
-            mm_swiglu_epilogue(sres, lrx, T, s_segs[0].n_rows, tid, out16, outxs);
+            mm_swiglu_epilogue(res_rows(0), lrx, T, s_segs[0].n_rows, tid, out16, outxs);
         } else if (tid < MM_THREADS) {
 #pragma unroll
             for (int e = 0; e < EPT; ++e) {
@@ -892,7 +907,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             }
         }
         if (tid == 0) counters[rbx] = 0;
-        mm_sync<NT>();                           // sres is reused
+        mm_sync<NT>();                           // the result rows are reused
     };
     // The stripe's first row block, cut by the previous stripe, is done early in the loop: its
     // partial is stored and its arrival counted with release semantics only, so no warp waits for
@@ -1028,7 +1043,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     };
     // The row block's part in this stripe is done: a row block wholly in this stripe is written at
     // once; one cut between stripes (only the stripe's first and last can be) is exchanged.
-    auto end_row_block = [&]() {
+    auto end_row_block = [&](int k_last) {      // (k_last: the stage of the row block's last superblock here)
 #ifdef MM_NO_EXCHANGE     // benchmarks: no epilogue (every tile's result kept alive, or the
         {                     // compiler drops the MMAs of the tiles whose sums reach no memory)
             float keep = 0.0f;
@@ -1042,7 +1057,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #endif
         const bool is_head = rb * n_sb < f0, is_tail = (rb + 1) * n_sb > f1;
         if (MODE == MODE_ADD) {                  // every part adds its own sums (fixed point): no exchange
-            mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs);
+            mm_epilogue_regs<NT, MODE, SRES_IN_STAGE>(acc, s_segs, seg, lrb, warp, lane, T, res_rows(k_last), out16, outxs);
         } else if (is_tail) {
             tail_rb = rb;                        // the stripe's last superblock: exchanged after the loop
         } else if (is_head) {
@@ -1050,8 +1065,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             arrive_head(rb, acc);
 #endif
         } else {
-            mm_epilogue_regs<NT, MODE>(acc, s_segs, seg, lrb, warp, lane, T, sres, out16, outxs);
+            mm_epilogue_regs<NT, MODE, SRES_IN_STAGE>(acc, s_segs, seg, lrb, warp, lane, T, res_rows(k_last), out16, outxs);
         }
+        // Ordinary stores into a stage that a bulk copy refills next (tc_common.cuh).
+        if (SRES_IN_STAGE && !is_head && !is_tail) fence_proxy_async_smem();
     };
     if (NT == 1) {
         // T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20
@@ -1066,7 +1083,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             if (f == f0 || sb == 0) new_row_block();
             run_stage(f);
             if (sb != n_sb - 1 && f != f1 - 1) continue;
-            end_row_block();
+            end_row_block(k);
         }
     } else {
         // Wider batches: row blocks outside, their superblocks inside, so the inner loop carries
@@ -1079,7 +1096,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                 run_stage(f);
                 if (++k == n_stages) { k = 0; phase ^= 1u; }
             }
-            end_row_block();
+            end_row_block(k == 0 ? n_stages - 1 : k - 1);
             ++rb;
         }
     }

@@ -299,6 +299,16 @@ __device__ __forceinline__ BarRef bar_at(BarRef b, int k) { return b + k; }
 __device__ __forceinline__ BarRef keep_bar(BarRef b) { return b; }
 #endif
 
+// Shared memory this thread wrote with ordinary stores that a bulk copy (the async proxy) will
+// overwrite next: the stores are ordered before that copy only through this fence, then a barrier
+// before the copy is issued (PTX memory model: generic and async proxy). Without TMA the copies are
+// ordinary stores: nothing to fence.
+#if defined(TC_HAVE_TMA)
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#else
+__device__ __forceinline__ void fence_proxy_async_smem() {}
+#endif
+
 // n bytes global -> shared for a whole warp (every lane calls it, after the mbar_expect that
 // announced them and a warp_sync): with TMA lane 0 issues one bulk copy; the software path copies
 // 16 bytes a lane at a time across the warp and counts each lane's bytes off the barrier.
