@@ -80,7 +80,8 @@ def main() -> None:
                 op()
             ms = _timed(cp, op, ev0, ev1)
             nbytes = sum(w.nbytes for w in ws_)
-            print(f"{label:18s} {','.join(variant) or 'default':24s} T={T:2d} grid {str(op.grid):12s} smem {op.smem // 1024:3d} KB  regs {getattr(op.kernel, 'num_regs', 0):3d} local {getattr(op.kernel, 'local_size_bytes', 0):3d} {ms * 1e3:8.1f} us  "
+            print(f"{label:18s} {','.join(variant) or 'default':24s} T={T:2d} grid {str(op.grid):12s} smem {op.smem // 1024:3d} KB  regs {getattr(op.kernel, 'num_regs', 0):3d} local {getattr(op.kernel, 'local_size_bytes', 0):3d} "
+                  f"{_blocks_per_sm(op)} /SM {ms * 1e3:8.1f} us  "
                   f"{nbytes / (ms / 1e3) / 1e9:6.0f} GB/s  ({100 * nbytes / (ms / 1e3) / 1e9 / copy_gbs:4.1f}% of copy)")
         if stream is not None:
             for w in ws_:
@@ -105,6 +106,19 @@ extern "C" __global__ void stream_read(const uint4* __restrict__ p, long long n,
     if (acc == 0x9e3779b9u) out[0] = acc;
 }
 """
+
+
+def _blocks_per_sm(op) -> int:
+    """Blocks of the launch that fit one multiprocessor (the driver's occupancy calculator; static
+    and dynamic shared memory, registers): below 4 the launch's fixed grid runs in two waves."""
+    try:
+        import ctypes
+        n = ctypes.c_int()
+        rc = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), ctypes.c_void_p(op.kernel.kernel.ptr), ctypes.c_int(op.block[0]), ctypes.c_size_t(op.smem))
+        return n.value if rc == 0 else -1
+    except Exception:       # (no driver library, another CuPy)
+        return -1
 
 
 def _timed(cp, fn, ev0, ev1, n: int = 20) -> float:
