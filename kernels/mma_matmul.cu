@@ -450,9 +450,15 @@ template <int QT> struct MmGeom {
 // the stage (%clock of the block's multiprocessor), so the same launch can be compared in the
 // graph and alone.
 #if defined(MM_STAGE_TRACE) && !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+#ifndef ST_SLOTS                     // (stage_trace_gpu.py --all-blocks sets all three)
 #define ST_SLOTS 512                 // launches, by grid id
+#endif
+#ifndef ST_BLOCKS
 #define ST_BLOCKS 8                  // traced blocks of a launch (spread over the grid)
+#endif
+#ifndef ST_STAGES
 #define ST_STAGES 48                 // stages traced per block
+#endif
 #define ST_HEAD 10                   // grid id, entry, dependency wait passed, end, stages, n_stages, timer at entry, at end,
                                      // the stage loop's end (before the cut row blocks' exchange), multiprocessor
 #define ST_REC (ST_HEAD + 4 * ST_STAGES)

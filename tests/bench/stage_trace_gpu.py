@@ -2,7 +2,11 @@
 (issue 8: the T = 1 products run at ~2.5 TB/s in the graph; GPU_NOTES, nineteenth session).
 
     python3 tests/bench/stage_trace_gpu.py [--reps 4] [--path /tmp/qwen35-27b-q4km.gguf]
-        [--variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1]
+        [--variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1] [--all-blocks]
+
+--all-blocks traces every block of the gate|up launches (their first stages only) and prints where
+the slow ones sit: by multiprocessor, by a block's arrival rank on its multiprocessor, by its place
+in the grid (GPU_NOTES, twenty-second session: the rank decides, the multiprocessor hardly).
 
 Every mm_tc launch is built with -DMM_STAGE_TRACE (kernels/mma_matmul.cu): 8 blocks of each T = 1
 launch record, in their multiprocessor's clock, when each stage's copy was issued (the issuer warp),
@@ -41,6 +45,8 @@ from tests.bench.profile_gpu_step import _model                         # noqa: 
 ST_SLOTS, ST_BLOCKS, ST_STAGES, ST_HEAD = 512, 8, 48, 10                 # kernels/mma_matmul.cu
 ST_REC = ST_HEAD + 4 * ST_STAGES
 TRACE = "MM_STAGE_TRACE"
+# --all-blocks: every block of each traced launch, its first stages only (where the tail comes from)
+ALL_BLOCKS = (1024, 528, 4)
 
 
 def _tables(cp, want: tuple[str, ...]) -> list:
@@ -55,9 +61,94 @@ def _tables(cp, want: tuple[str, ...]) -> list:
 
 
 def _records(cp, tables) -> np.ndarray:
+    """The records of blocks that recorded (stripe length > 0), each with its block index (the
+    record's place in its launch's slot) appended as a last column."""
     rows = [cp.asnumpy(t) for t in tables]
     r = np.concatenate(rows) if rows else np.zeros((0, ST_REC), dtype=np.uint32)
-    return r[r[:, 4] > 0]                       # blocks that recorded (stripe length > 0)
+    blk = (np.arange(len(r)) % ST_BLOCKS).astype(np.uint32)[:, None]
+    r = np.concatenate([r, blk], axis=1)
+    return r[r[:, 4] > 0]
+
+
+def per_sm(title: str, recs: np.ndarray, rep: np.ndarray) -> None:
+    """Whether the slow blocks of a launch sit on the same multiprocessors launch after launch
+    (records of every block: --all-blocks)."""
+    r = recs.astype(np.int64)
+    d = lambda a, b: (a - b) & 0xFFFFFFFF     # noqa: E731
+    ghz = float(np.sum(d(r[:, 3], r[:, 1])) / max(1, np.sum(d(r[:, 7], r[:, 6]))))
+    loop = d(r[:, 8], r[:, 2]) / ghz / 1e3
+    launch = r[:, 0] + (rep.astype(np.int64) << 32)
+    ids = np.unique(launch)
+    sm = r[:, 9]
+    n_sm = int(sm.max()) + 1
+    # each block's loop against its launch's median, by multiprocessor, over even and odd launches
+    rel = np.zeros(len(r))
+    end_rank = np.zeros(len(r))
+    for k, gid in enumerate(ids):
+        m = launch == gid
+        rel[m] = loop[m] - np.median(loop[m])
+        t1 = d(r[m, 7], np.min(r[m, 6])).astype(float)
+        end_rank[m] = np.argsort(np.argsort(t1)) / max(1, m.sum() - 1)
+    par = np.searchsorted(ids, launch) % 2
+    means = np.full((2, n_sm), np.nan)
+    for h in range(2):
+        for s_ in range(n_sm):
+            m = (par == h) & (sm == s_)
+            if m.any():
+                means[h, s_] = rel[m].mean()
+    ok = ~np.isnan(means).any(axis=0)
+    corr = float(np.corrcoef(means[0, ok], means[1, ok])[0, 1]) if ok.sum() > 2 else float("nan")
+    print(f"== {title}: {len(ids)} launches, {len(r)} block records, {ok.sum()} multiprocessors, clock {ghz:.2f} GHz")
+    print(f"   stage loop p10/p50/p90/max {np.percentile(loop, 10):.2f} / {np.percentile(loop, 50):.2f} / "
+          f"{np.percentile(loop, 90):.2f} / {np.max(loop):.2f} us; spread within a launch (p90 - p10 of loop - median) "
+          f"{np.percentile(rel, 90) - np.percentile(rel, 10):.2f} us")
+    both = np.nanmean(means, axis=0)
+    print(f"   a multiprocessor's mean (loop - launch median): sd across multiprocessors {np.nanstd(both):.2f} us, "
+          f"even-launch / odd-launch correlation {corr:.2f} (near 1: the same multiprocessors are slow every time)")
+    order = np.argsort(both[ok])
+    smids = np.arange(n_sm)[ok]
+    print(f"   slowest multiprocessors (id: us) {', '.join(f'{smids[i]}: {both[ok][i]:+.2f}' for i in order[::-1][:12])}")
+    print(f"   fastest multiprocessors (id: us) {', '.join(f'{smids[i]}: {both[ok][i]:+.2f}' for i in order[:12])}")
+    # within a multiprocessor: the four blocks of one launch on it
+    spread_in = []
+    for gid in ids:
+        m = launch == gid
+        for s_ in np.unique(sm[m]):
+            mm = m & (sm == s_)
+            if mm.sum() > 1:
+                spread_in.append(np.ptp(loop[mm]))
+    print(f"   blocks of one launch on one multiprocessor: loop spread mean {np.mean(spread_in):.2f} us "
+          f"(p90 {np.percentile(spread_in, 90):.2f}); blocks a multiprocessor a launch "
+          f"{len(r) / len(ids) / max(1, ok.sum()):.2f}")
+    blk = r[:, -1]
+    c_blk = float(np.corrcoef(blk, rel)[0, 1])
+    dep = d(r[:, 2], r[:, 1]) / ghz / 1e3
+    c_dep = float(np.corrcoef(dep, rel)[0, 1])
+    print(f"   correlation of (loop - median) with the block index {c_blk:.2f}, with its dependency wait {c_dep:.2f}; "
+          f"the last 5% to end: mean (loop - median) {rel[end_rank >= 0.95].mean():+.2f} us")
+    # within a multiprocessor: the order in which its blocks of a launch arrived, and their indices
+    rank_entry = np.zeros(len(r), dtype=np.int64)
+    rank_index = np.zeros(len(r), dtype=np.int64)
+    distinct_gen = []
+    for gid in ids:
+        m = np.nonzero(launch == gid)[0]
+        for s_ in np.unique(sm[m]):
+            mm = m[sm[m] == s_]
+            t0 = d(r[mm, 6], np.min(r[mm, 6]))
+            rank_entry[mm] = np.argsort(np.argsort(t0, kind="stable"), kind="stable")
+            rank_index[mm] = np.argsort(np.argsort(blk[mm], kind="stable"), kind="stable")
+            distinct_gen.append(len(np.unique(blk[mm] // n_sm)) == len(mm))
+    n_blocks = int(blk.max()) + 1
+    gen = blk * 4 // n_blocks
+    for name, col in (("quarter of the grid (block index * 4 // grid)", gen),
+                      ("arrival rank on its multiprocessor", rank_entry),
+                      ("index rank on its multiprocessor", rank_index)):
+        g = [f"{v}: {rel[col == v].mean():+.2f} ({loop[col == v].mean():.2f})" for v in np.unique(col)]
+        print(f"   (loop - median) and loop by {name}: {', '.join(g)} us")
+    print(f"   a multiprocessor's blocks from distinct quarters of the grid in {np.mean(distinct_gen):.0%} of launches")
+    for name, col in (("gpc-like group smid // 16", sm // 16), ("smid parity (TPC half)", sm % 2)):
+        g = [f"{v}: {rel[col == v].mean():+.2f}" for v in np.unique(col)]
+        print(f"   by {name}: {', '.join(g)}")
 
 
 def summarise(title: str, recs: np.ndarray, rep: np.ndarray | None = None) -> None:
@@ -75,7 +166,7 @@ def summarise(title: str, recs: np.ndarray, rep: np.ndarray | None = None) -> No
     us = lambda c: c / ghz / 1e3               # noqa: E731
     n_st = int(np.median(r[:, 4]))
     depth = int(np.median(r[:, 5]))
-    ev = r[:, ST_HEAD:].reshape(len(r), ST_STAGES, 4)       # issue, wait begin, passed, released
+    ev = r[:, ST_HEAD:ST_REC].reshape(len(r), ST_STAGES, 4)       # issue, wait begin, passed, released
     print(f"== {title}: {len(r)} block records, stripes of {n_st} stages, {depth} in flight, clock {ghz:.2f} GHz")
     exch = us(d(r[:, 3], r[:, 8]).astype(float))
     print(f"   dep wait {us(np.mean(d(r[:, 2], r[:, 1]))):6.2f} us   run {us(np.mean(d(r[:, 3], r[:, 2]))):6.2f} us   "
@@ -121,8 +212,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--path", default=None)
     ap.add_argument("--variant", default="", help="defines for the gate|up launches, comma-separated")
+    ap.add_argument("--all-blocks", action="store_true",
+                    help="trace every block's first stages and print where the slow blocks sit")
     args = ap.parse_args()
     extra = tuple(v for v in args.variant.split(",") if v)
+    if args.all_blocks:
+        global ST_SLOTS, ST_BLOCKS, ST_STAGES, ST_REC
+        ST_SLOTS, ST_BLOCKS, ST_STAGES = ALL_BLOCKS
+        ST_REC = ST_HEAD + 4 * ST_STAGES
+        extra += (f"ST_SLOTS={ST_SLOTS}", f"ST_BLOCKS={ST_BLOCKS}", f"ST_STAGES={ST_STAGES}")
     op_mm = fused_gpu.FusedGpu.op_mm
 
     def traced(self, label, segs, act, T, mode, ws, out_act=None, variant=()):
@@ -155,8 +253,11 @@ def main() -> None:
         step._launch(key, None)
         _sync(b)
         recs.append(_records(cp, tables))
-    summarise(f"gate|up T=1 in the decode graph {' '.join(extra)}", np.concatenate(recs),
-              np.concatenate([np.full(len(x), i) for i, x in enumerate(recs)]))
+    rep = np.concatenate([np.full(len(x), i) for i, x in enumerate(recs)])
+    if args.all_blocks:
+        per_sm("gate|up T=1 in the decode graph, every block", np.concatenate(recs), rep)
+        return
+    summarise(f"gate|up T=1 in the decode graph {' '.join(extra)}", np.concatenate(recs), rep)
 
     # The same shape alone: 20 launches back to back (tests/bench/bench_mm_gpu.py's case).
     fg = fused_gpu.FusedGpu(b)
