@@ -45,8 +45,9 @@ from tests.bench.profile_gpu_step import _model                         # noqa: 
 ST_SLOTS, ST_BLOCKS, ST_STAGES, ST_HEAD = 512, 8, 48, 10                 # kernels/mma_matmul.cu
 ST_REC = ST_HEAD + 4 * ST_STAGES
 TRACE = "MM_STAGE_TRACE"
-# --all-blocks: every block of each traced launch, its first stages only (where the tail comes from)
-ALL_BLOCKS = (1024, 528, 4)
+# --all-blocks: every block of each traced launch (MM_BLOCKS_PER_SM a multiprocessor), its first
+# stages only, in 1024 launch slots (where the tail comes from)
+ALL_SLOTS, ALL_STAGES = 1024, 4
 
 
 def _tables(cp, want: tuple[str, ...]) -> list:
@@ -218,7 +219,9 @@ def main() -> None:
     extra = tuple(v for v in args.variant.split(",") if v)
     if args.all_blocks:
         global ST_SLOTS, ST_BLOCKS, ST_STAGES, ST_REC
-        ST_SLOTS, ST_BLOCKS, ST_STAGES = ALL_BLOCKS
+        import cupy
+        n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        ST_SLOTS, ST_BLOCKS, ST_STAGES = ALL_SLOTS, fused_gpu.MM_BLOCKS_PER_SM * n_sm, ALL_STAGES
         ST_REC = ST_HEAD + 4 * ST_STAGES
         extra += (f"ST_SLOTS={ST_SLOTS}", f"ST_BLOCKS={ST_BLOCKS}", f"ST_STAGES={ST_STAGES}")
     op_mm = fused_gpu.FusedGpu.op_mm
