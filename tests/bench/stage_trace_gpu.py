@@ -72,24 +72,33 @@ def _records(cp, tables) -> np.ndarray:
 
 
 def per_sm(title: str, recs: np.ndarray, rep: np.ndarray) -> None:
-    """Whether the slow blocks of a launch sit on the same multiprocessors launch after launch
-    (records of every block: --all-blocks)."""
+    """Where a launch's slow blocks sit (records of every block: --all-blocks): on the same
+    multiprocessors launch after launch, or by their arrival on their multiprocessor."""
     r = recs.astype(np.int64)
     d = lambda a, b: (a - b) & 0xFFFFFFFF     # noqa: E731
     ghz = float(np.sum(d(r[:, 3], r[:, 1])) / max(1, np.sum(d(r[:, 7], r[:, 6]))))
     loop = d(r[:, 8], r[:, 2]) / ghz / 1e3
     launch = r[:, 0] + (rep.astype(np.int64) << 32)
     ids = np.unique(launch)
-    sm = r[:, 9]
+    sm, blk = r[:, 9], r[:, -1]
     n_sm = int(sm.max()) + 1
-    # each block's loop against its launch's median, by multiprocessor, over even and odd launches
-    rel = np.zeros(len(r))
-    end_rank = np.zeros(len(r))
-    for k, gid in enumerate(ids):
-        m = launch == gid
+    rel = np.zeros(len(r))                      # a block's loop minus its launch's median
+    end_rank = np.zeros(len(r))                 # 0 for the launch's first block to end, 1 for its last
+    rank_entry = np.zeros(len(r), dtype=np.int64)
+    rank_index = np.zeros(len(r), dtype=np.int64)
+    spread_in, distinct_gen = [], []
+    for gid in ids:
+        m = np.nonzero(launch == gid)[0]
         rel[m] = loop[m] - np.median(loop[m])
-        t1 = d(r[m, 7], np.min(r[m, 6])).astype(float)
-        end_rank[m] = np.argsort(np.argsort(t1)) / max(1, m.sum() - 1)
+        end_rank[m] = np.argsort(np.argsort(d(r[m, 7], np.min(r[m, 6])))) / max(1, len(m) - 1)
+        for s_ in np.unique(sm[m]):             # the launch's blocks on one multiprocessor
+            mm = m[sm[m] == s_]
+            rank_entry[mm] = np.argsort(np.argsort(d(r[mm, 6], np.min(r[mm, 6])), kind="stable"), kind="stable")
+            rank_index[mm] = np.argsort(np.argsort(blk[mm], kind="stable"), kind="stable")
+            if len(mm) > 1:
+                spread_in.append(np.ptp(loop[mm]))
+            distinct_gen.append(len(np.unique(blk[mm] // n_sm)) == len(mm))
+    # a multiprocessor's mean of rel over even and over odd launches: repeatable if they correlate
     par = np.searchsorted(ids, launch) % 2
     means = np.full((2, n_sm), np.nan)
     for h in range(2):
@@ -99,57 +108,31 @@ def per_sm(title: str, recs: np.ndarray, rep: np.ndarray) -> None:
                 means[h, s_] = rel[m].mean()
     ok = ~np.isnan(means).any(axis=0)
     corr = float(np.corrcoef(means[0, ok], means[1, ok])[0, 1]) if ok.sum() > 2 else float("nan")
+    both = np.nanmean(means, axis=0)
     print(f"== {title}: {len(ids)} launches, {len(r)} block records, {ok.sum()} multiprocessors, clock {ghz:.2f} GHz")
     print(f"   stage loop p10/p50/p90/max {np.percentile(loop, 10):.2f} / {np.percentile(loop, 50):.2f} / "
           f"{np.percentile(loop, 90):.2f} / {np.max(loop):.2f} us; spread within a launch (p90 - p10 of loop - median) "
           f"{np.percentile(rel, 90) - np.percentile(rel, 10):.2f} us")
-    both = np.nanmean(means, axis=0)
     print(f"   a multiprocessor's mean (loop - launch median): sd across multiprocessors {np.nanstd(both):.2f} us, "
           f"even-launch / odd-launch correlation {corr:.2f} (near 1: the same multiprocessors are slow every time)")
     order = np.argsort(both[ok])
     smids = np.arange(n_sm)[ok]
     print(f"   slowest multiprocessors (id: us) {', '.join(f'{smids[i]}: {both[ok][i]:+.2f}' for i in order[::-1][:12])}")
     print(f"   fastest multiprocessors (id: us) {', '.join(f'{smids[i]}: {both[ok][i]:+.2f}' for i in order[:12])}")
-    # within a multiprocessor: the four blocks of one launch on it
-    spread_in = []
-    for gid in ids:
-        m = launch == gid
-        for s_ in np.unique(sm[m]):
-            mm = m & (sm == s_)
-            if mm.sum() > 1:
-                spread_in.append(np.ptp(loop[mm]))
     print(f"   blocks of one launch on one multiprocessor: loop spread mean {np.mean(spread_in):.2f} us "
           f"(p90 {np.percentile(spread_in, 90):.2f}); blocks a multiprocessor a launch "
           f"{len(r) / len(ids) / max(1, ok.sum()):.2f}")
-    blk = r[:, -1]
     c_blk = float(np.corrcoef(blk, rel)[0, 1])
-    dep = d(r[:, 2], r[:, 1]) / ghz / 1e3
-    c_dep = float(np.corrcoef(dep, rel)[0, 1])
+    c_dep = float(np.corrcoef(d(r[:, 2], r[:, 1]), rel)[0, 1])
     print(f"   correlation of (loop - median) with the block index {c_blk:.2f}, with its dependency wait {c_dep:.2f}; "
           f"the last 5% to end: mean (loop - median) {rel[end_rank >= 0.95].mean():+.2f} us")
-    # within a multiprocessor: the order in which its blocks of a launch arrived, and their indices
-    rank_entry = np.zeros(len(r), dtype=np.int64)
-    rank_index = np.zeros(len(r), dtype=np.int64)
-    distinct_gen = []
-    for gid in ids:
-        m = np.nonzero(launch == gid)[0]
-        for s_ in np.unique(sm[m]):
-            mm = m[sm[m] == s_]
-            t0 = d(r[mm, 6], np.min(r[mm, 6]))
-            rank_entry[mm] = np.argsort(np.argsort(t0, kind="stable"), kind="stable")
-            rank_index[mm] = np.argsort(np.argsort(blk[mm], kind="stable"), kind="stable")
-            distinct_gen.append(len(np.unique(blk[mm] // n_sm)) == len(mm))
-    n_blocks = int(blk.max()) + 1
-    gen = blk * 4 // n_blocks
+    gen = blk * 4 // (int(blk.max()) + 1)
     for name, col in (("quarter of the grid (block index * 4 // grid)", gen),
                       ("arrival rank on its multiprocessor", rank_entry),
                       ("index rank on its multiprocessor", rank_index)):
         g = [f"{v}: {rel[col == v].mean():+.2f} ({loop[col == v].mean():.2f})" for v in np.unique(col)]
         print(f"   (loop - median) and loop by {name}: {', '.join(g)} us")
     print(f"   a multiprocessor's blocks from distinct quarters of the grid in {np.mean(distinct_gen):.0%} of launches")
-    for name, col in (("gpc-like group smid // 16", sm // 16), ("smid parity (TPC half)", sm % 2)):
-        g = [f"{v}: {rel[col == v].mean():+.2f}" for v in np.unique(col)]
-        print(f"   by {name}: {', '.join(g)}")
 
 
 def summarise(title: str, recs: np.ndarray, rep: np.ndarray | None = None) -> None:
