@@ -21,24 +21,14 @@ import tempfile
 KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels")
 
 
-def inline_headers(code: str) -> str:
-    """kernels/cuda_backend.py _inline_includes, without importing CuPy."""
-    out = []
-    for line in code.splitlines():
-        s = line.strip()
-        if s.startswith('#include "') and s.endswith('.cuh"'):
-            with open(os.path.join(KERNELS, s[len('#include "'):-1])) as f:
-                out.append(inline_headers(f.read()))
-        else:
-            out.append(line)
-    return "\n".join(out)
-
-
 def nvrtc_cubin(lib_path: str, options: list[str]) -> bytes:
     """mma_matmul.cu compiled by NVRTC to a cubin (options: -D..., -arch=...; default sm_90)."""
+    sys.path.insert(0, os.path.dirname(KERNELS))
+    from kernels.cuda_backend import _inline_includes   # the source CuPy compiles (imports no CuPy)
+
     lib = ctypes.CDLL(lib_path)
     with open(os.path.join(KERNELS, "mma_matmul.cu")) as f:
-        code = inline_headers(f.read()).encode()
+        code = _inline_includes(f.read()).encode()
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"mma_matmul.cu", 0, None, None):
         sys.exit("nvrtcCreateProgram failed")

@@ -54,9 +54,9 @@ extern "C" __global__ void by_mma(const u16* A, const u16* B, const float* C0, f
 // The same by wgmma.m64nNk16 (A from registers, B from shared memory in the no-swizzle K-major
 // layout: 8 x 16-byte core matrices, core (k-half h, n-group j) of k-step s at
 // ((s * 2 + h) * (NN / 8) + j) * 128 bytes). The descriptor's leading byte offset is the k-half step,
-// its stride byte offset the 8-column step (PTX ISA; swap = 1 exchanges them: the tensor cores then
-// read past the operand, an illegal-address fault from N = 16 on).
-extern "C" __global__ void by_wgmma(const u16* A, const u16* B, const float* C0, float* D, int KS, int swap) {
+// its stride byte offset the 8-column step (PTX ISA; exchanged, the tensor cores read past the
+// operand: an illegal-address fault from N = 16 on).
+extern "C" __global__ void by_wgmma(const u16* A, const u16* B, const float* C0, float* D, int KS) {
     extern __shared__ __align__(128) unsigned char sb[];
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ld = 16 * KS;
     u16* sbh = (u16*)sb;
@@ -74,13 +74,12 @@ extern "C" __global__ void by_wgmma(const u16* A, const u16* B, const float* C0,
         d[4 * j] = C0[r0 * NN + col]; d[4 * j + 1] = C0[r0 * NN + col + 1];
         d[4 * j + 2] = C0[(r0 + 8) * NN + col]; d[4 * j + 3] = C0[(r0 + 8) * NN + col + 1];
     }
-    const unsigned long long kstep = (NN / 8) * 128, nstep = 128;
-    const unsigned long long lbo = swap ? nstep : kstep, sbo = swap ? kstep : nstep;
+    const unsigned long long lbo = (NN / 8) * 128, sbo = 128;     // k-half step, 8-column step
     const unsigned base = (unsigned)__cvta_generic_to_shared(sb);
     for (int s = 0; s < KS; ++s) {
         u32 a[4];
         afrag(A, ld, w, lane, s, a);
-        const unsigned addr = base + (unsigned)(s * 2 * kstep);
+        const unsigned addr = base + (unsigned)(s * 2 * lbo);
         const unsigned long long desc = ((unsigned long long)((addr & 0x3FFFF) >> 4)) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32);
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
         WGMMA_CALL
@@ -147,7 +146,7 @@ def main():
             y_mma = y_mma.get()
             line = f"N={n:2d} {kind} trial {trial}: mma.sync err {np.abs(y_mma - ref).max() / scale:.1e}"
             y_wg = cp.zeros((64, n), cp.float32)
-            f_wg((1,), (128,), (da, db, dc, y_wg, np.int32(args.ks), np.int32(0)), shared_mem=smem)
+            f_wg((1,), (128,), (da, db, dc, y_wg, np.int32(args.ks)), shared_mem=smem)
             y_wg = y_wg.get()
             err = np.abs(y_wg - ref).max() / scale
             if err > 1e-3:
