@@ -189,7 +189,7 @@ class TcWeight:
     n_sb: int
     n_tiles: int
     nbytes: int        # bytes of the GGUF matrix (what a step reads)
-    data: Any          # uint8 device array, n_tiles * n_sb * UNIT_BYTES[qtype]
+    data: Any          # uint8 device array, n_tiles rounded up to 4 * n_sb * UNIT_BYTES[qtype]
 
     @property
     def type_name(self) -> str:
@@ -325,8 +325,8 @@ class FusedGpu:
         n_sb = -(-n_in // 256)
         n_tiles = -(-n_out // 16)
         unit = UNIT_BYTES[qtype]
-        n_words = n_tiles * n_sb * unit // 4
-        out = xp.zeros(n_tiles * n_sb * unit, dtype=xp.uint8)
+        n_words = -(-n_tiles // 4) * 4 * n_sb * unit // 4     # tiles in groups of four (mma_matmul.cu unit_index)
+        out = xp.zeros(n_words * 4, dtype=xp.uint8)
         raw_dev = xp.asarray(raw)
         grid = (max(1, min(-(-n_words // 256), 1 << 16)),)
         base = (raw_dev, out, np.int32(n_out), np.int32(row_bytes), np.int32(n_sb))

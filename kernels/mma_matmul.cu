@@ -9,10 +9,11 @@
 //
 // Weights. At load time each GGUF matrix is rearranged on the device (the `repack_*` kernels below)
 // into "units": 16 rows (one MMA tile) x 256 columns (one K-quant superblock), unit (tile, sb) at
-// byte (tile * n_sb + sb) * UNIT. The bytes are exactly the GGUF block bytes of those 16 rows x 256
-// columns, reordered so that each lane of a warp reads its MMA fragments with 16-byte loads that
-// coalesce across the warp; nothing is dequantised or widened (a Q4_K unit is 16 x 144 bytes). Rows
-// past n_out and columns past n_in (rows that are not a whole number of superblocks) are zero.
+// byte unit_index(tile, sb, n_sb) * UNIT (tiles in groups of four, below). The bytes are exactly
+// the GGUF block bytes of those 16 rows x 256 columns, reordered so that each lane of a warp reads
+// its MMA fragments with 16-byte loads that coalesce across the warp; nothing is dequantised or
+// widened (a Q4_K unit is 16 x 144 bytes). Rows past n_out and columns past n_in (rows that are not
+// a whole number of superblocks) are zero.
 //
 // Element map (all types). Lane L = 4g + c, k-step s (0..15) of a superblock, A register r (0..3),
 // half hf: row 16*tile + g + 8*(r & 1), column 256*sb + 64c + 8*(s >> 1) + 4*(s & 1) + 2*(r >> 1)
@@ -113,6 +114,15 @@ template <> struct UnitBytes<QT_Q4_K> { static constexpr int v = 2304; };
 template <> struct UnitBytes<QT_Q5_K> { static constexpr int v = 2816; };
 template <> struct UnitBytes<QT_Q6_K> { static constexpr int v = 3360; };
 template <> struct UnitBytes<QT_IQ4_XS> { static constexpr int v = 2176; };
+
+// Where unit (tile, sb) sits in a matrix's tiled weight: tiles in groups of four, each group's units
+// superblock-major with its four tiles side by side, so a row block's units for one superblock (the
+// four tiles of a STORE / ADD row block; a SwiGLU row block's two gate or two up tiles, half a group)
+// are one contiguous run of bytes, one bulk copy a stage instead of four. A matrix's tile count is
+// padded to a multiple of four (the padding is zeros, never read).
+__device__ __forceinline__ long long unit_index(int tile, int sb, int n_sb) {
+    return ((long long)(tile >> 2) * n_sb + sb) * 4 + (tile & 3);
+}
 
 // Word i (0..3, the same in all lanes of a quad) of v as selects, not branches.
 __device__ __forceinline__ u32 sel4(const uint4& v, int i) {
@@ -743,23 +753,30 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
+    // The row block's units of one superblock as runs of consecutive tiles (unit_index): one run of
+    // four tiles (STORE / ADD), or the gate pair and the up pair (SwiGLU); a run is cut short where
+    // its matrix ends (the slots past it stay idle).
+    constexpr int RUNS = MODE == MODE_SWIGLU ? 2 : 1, RUN_TILES = 4 / RUNS;
     auto issue_w = [&]() {                       // the issuer warp: lane 0 arms the barrier, the units
-        int tiles[4], ss[4];
+        const unsigned char* src[RUNS];
+        unsigned nb[RUNS];
         unsigned bytes = b_bytes;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            slot_tile<MODE>(i_seg, i_lrb, q, ss[q], tiles[q]);
-            if (tiles[q] < s_segs[ss[q]].n_tiles) bytes += UNIT;
+        for (int r = 0; r < RUNS; ++r) {
+            int s, tile;
+            slot_tile<MODE>(i_seg, i_lrb, r * RUN_TILES, s, tile);
+            const int n = min(RUN_TILES, s_segs[s].n_tiles - tile);
+            nb[r] = n > 0 ? (unsigned)n * UNIT : 0u;
+            bytes += nb[r];
+            src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile, i_sb, n_sb) * UNIT;
         }
         unsigned char* st = smem + i_k * STAGE;
         ST_MARK(st_iss, i_f - f0, 0);
         if (lane == 0) mbar_expect(&s_full[i_k], bytes);
         warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-            if (tiles[q] < s_segs[ss[q]].n_tiles)
-                stage_copy(st + q * UNIT, (const unsigned char*)s_segs[ss[q]].w + ((size_t)tiles[q] * n_sb + i_sb) * UNIT,
-                           UNIT, &s_full[i_k], lane);
+        for (int r = 0; r < RUNS; ++r)
+            if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
     };
     auto issue_x = [&](int k, int sb) {          // the issuer warp: superblock sb of the T rows, its sums
         unsigned char* st = smem + k * STAGE;
@@ -1208,9 +1225,10 @@ template <int UNIT, typename Word>
 __device__ __forceinline__ void repack_units(u32* __restrict__ out, int n_sb, long long n_words, const Word& word) {
     for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
          wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / (UNIT / 4);
+        const long long unit = wi / (UNIT / 4);   // = unit_index(tile, sb, n_sb)
         const int o = (int)(wi % (UNIT / 4)) * 4;
-        out[wi] = word((int)(unit / n_sb), (int)(unit % n_sb), o);
+        const long long group = unit / (4ll * n_sb);
+        out[wi] = word((int)(group * 4 + (unit & 3)), (int)((unit >> 2) % n_sb), o);
     }
 }
 
@@ -1457,7 +1475,7 @@ __device__ __forceinline__ void units_f16_impl(const unsigned char* __restrict__
     const long long n_units = (long long)n_tiles * n_sb;
     for (long long i = (long long)blockIdx.x * UF_WARPS + warp; i < n_units; i += (long long)gridDim.x * UF_WARPS) {
         const int t = (int)(i / n_sb), sb = (int)(i % n_sb);
-        const unsigned char* u = units + ((size_t)(tile0 + t) * n_sb + sb) * UnitBytes<QT>::v;
+        const unsigned char* u = units + unit_index(tile0 + t, sb, n_sb) * UnitBytes<QT>::v;
         U un;
         un.load(u, LaneOffs::of(lane));
         uf_pair<U, 0>(un, u, st, lane);
