@@ -196,12 +196,19 @@ class TcWeight:
         return TC_TYPE_NAMES[self.qtype]
 
 
+def _data_ptr(a) -> int:
+    return int(a.data.ptr) if hasattr(a.data, "ptr") else int(a.__array_interface__["data"][0])
+
+
 class ActBuffer:
-    """Activation rows in the tensor-core layout, superblock-major (tc_common.cuh act_index): x16
-    [n_sb][MAX_T][256] f16 (uint16 bits, odd rows with the 64-byte halves of every 128 bytes swapped)
-    and block sums xs [n_sb][MAX_T][16]. Allocated zeroed; columns past K are never written, so they
-    stay zero (the weights there are zero too). `write_rows` / `read_rows` convert from / to the
-    row-major form of kernels/fused_ref.act_layout (tests, host-side checks)."""
+    """Activation rows in the tensor-core layout, superblock-major (tc_common.cuh act_index /
+    xs_index): per superblock the block sums of its MAX_T rows (16 halves a row, rows in reverse
+    order), then the rows (256 f16 a row as uint16 bits, odd rows with the 64-byte halves of every
+    128 bytes swapped), so a launch's rows and their sums are one contiguous run. `x16` [n_sb][MAX_T]
+    [256] and `xs` [n_sb][MAX_T][16] are views of `buf` in row order; kernels take `x16` and `buf`
+    (the sums' base) as pointers. Allocated zeroed; columns past K are never written, so they stay
+    zero (the weights there are zero too). `write_rows` / `read_rows` convert from / to the row-major
+    form of kernels/fused_ref.act_layout (tests, host-side checks)."""
 
     def __init__(self, xp, K: int):
         if K % 8:
@@ -210,8 +217,13 @@ class ActBuffer:
         self.K = int(K)
         self.n_sb = -(-self.K // 256)
         self.ld16 = self.n_sb * 256
-        self.x16 = xp.zeros((self.n_sb, MAX_T, 256), dtype=xp.uint16)
-        self.xs = xp.zeros((self.n_sb, MAX_T, 16), dtype=xp.uint16)
+        xs_rows = MAX_T * 16 // 256                       # the sums of a superblock fill 2 rows of 256
+        self.buf = xp.zeros((self.n_sb, xs_rows + MAX_T, 256), dtype=xp.uint16)
+        self.x16 = self.buf[:, xs_rows:]
+        xs = self.buf[:, :xs_rows].reshape(self.n_sb, MAX_T, 16)
+        if _data_ptr(xs) != _data_ptr(self.buf):         # a reshape that copied would lose every write
+            raise RuntimeError("ActBuffer: the block sums' view is a copy")
+        self.xs = xs[:, ::-1]
 
     @staticmethod
     def _swizzle(T: int) -> np.ndarray:
@@ -399,7 +411,7 @@ class FusedGpu:
         per_sm = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_GRID=")), MM_BLOCKS_PER_SM)
         gx, n_rb = self.mm_grid(weights, mode, per_sm)
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
-        keep = [act.x16, act.xs]
+        keep = [act.buf]
         for i, (w, y, off, ldy) in enumerate(segs):
             want = "int64" if mode == MODE_ADD else "float32"       # ADD: a fixed-point accumulator
             if y is not None and str(y.dtype) != want:
@@ -422,8 +434,8 @@ class FusedGpu:
         smem = mm_smem_bytes(qt, T, stages)
         self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
-        outxs = out_act.xs if out_act is not None else None
-        args = (seg_dev, np.int32(len(segs)), act.x16, act.xs, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
+        outxs = out_act.buf if out_act is not None else None
+        args = (seg_dev, np.int32(len(segs)), act.x16, act.buf, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
                 outxs)
         issuer = nt == 1 and "MM_ISSUER_WARP=0" not in variant      # mma_matmul.cu MM_BLOCK_THREADS
         return Op(label, kern, (gx,), (MM_THREADS + (32 if issuer else 0),), args, smem,
@@ -446,7 +458,7 @@ class FusedGpu:
             if a is not None and str(a.dtype) != dt:
                 raise ValueError(f"{label}: {dt} buffer expected, got {a.dtype}")
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
-                act.x16, act.xs, acc, x_out, acc_zero)
+                act.x16, act.buf, acc, x_out, acc_zero)
         cl_cols = prep_cluster_cols(K, n_rows, col_blocks) if norm else None
         if cluster is None:
             cluster = cl_cols is not None and self.clusters
@@ -529,7 +541,7 @@ class FusedGpu:
         if str(z.dtype) != "int64":
             raise ValueError(f"{label}: z is an int64 fixed-point sum (got {z.dtype})")
         kern = self._k("fused.cu", "gdn_out_prep")
-        args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.xs)
+        args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.buf)
         return Op(label, kern, (T, -(-(nv * dv) // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_attn_qk_rope_kv(self, label: str, qg, k, v, q_norm, k_norm, eps: float, params, tbl, slot: int, qout,
@@ -601,7 +613,7 @@ class FusedGpu:
         if not 1 <= splits <= ATT_MAX_SPLITS:
             raise ValueError(f"{label}: {splits} splits (1..{ATT_MAX_SPLITS})")
         kern = self._k("fused.cu", "attn_combine_prep")
-        args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(splits), act.x16, act.xs)
+        args = (part_o, part_ml, qg, np.int32(H), np.int32(D), np.int32(splits), act.x16, act.buf)
         return Op(label, kern, (T, -(-(H * D) // PREP_COLS)), (FUSED_THREADS,), args)
 
     def op_topk(self, label: str, logits, V: int, ld: int, k: int, out_ids, out_vals, meta, n_rows: int) -> Op:

@@ -439,8 +439,10 @@ template <int QT> struct MmGeom {
     static constexpr int UNIT = UnitBytes<QT>::v;
     static constexpr int A_BYTES = 4 * UNIT;
     static constexpr bool HAS_MIN = UnitOf<QT>::T::HAS_MIN;
-    __device__ static int xs_off(int n_rows) { return A_BYTES + n_rows * MM_B_ROW * 2; }
-    __device__ static int stage(int n_rows) { return (xs_off(n_rows) + (HAS_MIN ? n_rows * 32 : 0) + 127) & ~127; }
+    // A stage: the 4 units, the rows' block sums (K-quants with mins; rows in reverse order), the rows
+    // (tc_common.cuh ACT_SB: sums and rows are one run in the activation buffer, one bulk copy).
+    __device__ static int x_off(int n_rows) { return A_BYTES + (HAS_MIN ? n_rows * 32 : 0); }
+    __device__ static int stage(int n_rows) { return (x_off(n_rows) + n_rows * MM_B_ROW * 2 + 127) & ~127; }
     __device__ static int stages(int n_rows) {
 #ifdef MM_STAGES       // benchmarks (tests/bench/bench_mm_gpu.py --variants) try other depths
         return MM_STAGES;
@@ -666,7 +668,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     __shared__ int s_last[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
-    const int STAGE = keep_reg(G::stage(n_rows_b)), n_stages = G::stages(n_rows_b), XS_OFF = keep_reg(G::xs_off(n_rows_b));
+    const int STAGE = keep_reg(G::stage(n_rows_b)), n_stages = G::stages(n_rows_b), X_OFF = keep_reg(G::x_off(n_rows_b));
     int brow[NT];                                // MMA columns past T read the last real row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) brow[nt] = min(nt * 8 + g, n_rows_b - 1);
@@ -749,7 +751,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #else
     const int n_rows_copy = n_rows_b;
 #endif
-    const unsigned b_bytes = (unsigned)n_rows_copy * 512u + (U::HAS_MIN ? (unsigned)n_rows_copy * 32u : 0u);
+    const unsigned b_bytes = (unsigned)n_rows_copy * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
@@ -778,11 +780,12 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         for (int r = 0; r < RUNS; ++r)
             if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
     };
-    auto issue_x = [&](int k, int sb) {          // the issuer warp: superblock sb of the T rows, its sums
+    auto issue_x = [&](int k, int sb) {          // the issuer warp: superblock sb of the T rows (and their sums)
         unsigned char* st = smem + k * STAGE;
-        stage_copy(st + G::A_BYTES, x16 + (size_t)sb * (ACT_ROWS * 256), (unsigned)n_rows_copy * 512u, &s_full[k], lane);
         if (U::HAS_MIN)
-            stage_copy(st + XS_OFF, xs + (size_t)sb * (ACT_ROWS * 16), (unsigned)n_rows_copy * 32u, &s_full[k], lane);
+            stage_copy(st + G::A_BYTES, xs + (size_t)sb * ACT_SB + (ACT_ROWS - n_rows_b) * 16, b_bytes, &s_full[k], lane);
+        else
+            stage_copy(st + G::A_BYTES, x16 + (size_t)sb * ACT_SB, b_bytes, &s_full[k], lane);
     };
     auto advance = [&]() {
         ++i_f;
@@ -839,7 +842,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const LaneOffs lo = LaneOffs::kept(lane);    // lane offsets kept in registers for the loop
     int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(XS_OFF + 2 * (brow[nt] * 16 + c * 4));
+    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(G::A_BYTES + (n_rows_b - 1 - brow[nt]) * 32 + c * 8);
     const int w_off = keep_reg(warp * UNIT);     // this warp's unit in a stage
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
@@ -1008,7 +1011,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             const unsigned char* us = st + w_off;
             U un;
             un.load(us, lo);
-            const unsigned char* sb_x = st + G::A_BYTES;
+            const unsigned char* sb_x = st + X_OFF;
             float tm[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)

@@ -467,16 +467,21 @@ __device__ __forceinline__ int act_pos(int n) {
 // is 2 further.
 __device__ __forceinline__ int xs_pos(int j) { return (j >> 3) * 16 + ((j & 7) >> 1) * 4 + (j & 1); }
 
-// Activation buffers (kernels/fused_gpu.py ActBuffer) hold ACT_ROWS rows superblock-major: x16
-// [n_sb][ACT_ROWS][256] and xs [n_sb][ACT_ROWS][16], so the T rows of one superblock are T * 512
-// contiguous bytes that the matmul stages with one bulk copy (row-major, a 23-row verify issued
-// 46 copies a stage from one warp, each a loop over the lanes that issue it). Odd rows swap the
-// 64-byte halves of every 128 bytes (stored position ^ 32): the two rows a quarter-warp's 16-byte
-// B loads read then fall on different banks although the staged rows are 512 bytes apart.
+// Activation buffers (kernels/fused_gpu.py ActBuffer) hold ACT_ROWS rows superblock-major, each
+// superblock's block sums first (ACT_ROWS x 16 halves, the rows in reverse order) and then its rows
+// (ACT_ROWS x 256): xs points at the buffer, x16 ACT_XS halves further, and both step ACT_SB a
+// superblock. So the T rows of one superblock and their sums are one run of T * 544 bytes (sums of
+// rows T-1..0, then rows 0..T-1) that the matmul stages with one bulk copy (row-major, a 23-row
+// verify issued 46 copies a stage from one warp, each a loop over the lanes that issue it; sums and
+// rows apart, two a stage). Odd rows swap the 64-byte halves of every 128 bytes (stored position ^
+// 32): the two rows a quarter-warp's 16-byte B loads read then fall on different banks although the
+// staged rows are 512 bytes apart.
 #define ACT_ROWS 32
+#define ACT_XS (ACT_ROWS * 16)
+#define ACT_SB (ACT_XS + ACT_ROWS * 256)
 __device__ __forceinline__ size_t act_index(int t, int n) {
-    return (size_t)(n >> 8) * (ACT_ROWS * 256) + (size_t)t * 256 + ((act_pos(n) & 255) ^ (32 * (t & 1)));
+    return (size_t)(n >> 8) * ACT_SB + (size_t)t * 256 + ((act_pos(n) & 255) ^ (32 * (t & 1)));
 }
 __device__ __forceinline__ size_t xs_index(int t, int j) {
-    return (size_t)(j >> 3) * (ACT_ROWS * 16) + (size_t)t * 16 + (xs_pos(j) & 15);
+    return (size_t)(j >> 3) * ACT_SB + (size_t)(ACT_ROWS - 1 - t) * 16 + (xs_pos(j) & 15);
 }
