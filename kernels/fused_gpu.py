@@ -189,7 +189,7 @@ class TcWeight:
     n_sb: int
     n_tiles: int
     nbytes: int        # bytes of the GGUF matrix (what a step reads)
-    data: Any          # uint8 device array, n_tiles rounded up to 4 * n_sb * UNIT_BYTES[qtype]
+    data: Any          # uint8 device array: (n_tiles rounded up to a multiple of 4) * n_sb * UNIT_BYTES[qtype]
 
     @property
     def type_name(self) -> str:

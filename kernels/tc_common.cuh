@@ -471,11 +471,10 @@ __device__ __forceinline__ int xs_pos(int j) { return (j >> 3) * 16 + ((j & 7) >
 // superblock's block sums first (ACT_ROWS x 16 halves, the rows in reverse order) and then its rows
 // (ACT_ROWS x 256): xs points at the buffer, x16 ACT_XS halves further, and both step ACT_SB a
 // superblock. So the T rows of one superblock and their sums are one run of T * 544 bytes (sums of
-// rows T-1..0, then rows 0..T-1) that the matmul stages with one bulk copy (row-major, a 23-row
-// verify issued 46 copies a stage from one warp, each a loop over the lanes that issue it; sums and
-// rows apart, two a stage). Odd rows swap the 64-byte halves of every 128 bytes (stored position ^
-// 32): the two rows a quarter-warp's 16-byte B loads read then fall on different banks although the
-// staged rows are 512 bytes apart.
+// rows T-1..0, then rows 0..T-1) that the matmul stages with one bulk copy (each copy a verify-width
+// launch's warp 0 issues delays all four warps of its block). Odd rows swap the 64-byte halves of
+// every 128 bytes (stored position ^ 32): the two rows a quarter-warp's 16-byte B loads read then
+// fall on different banks although the staged rows are 512 bytes apart.
 #define ACT_ROWS 32
 #define ACT_XS (ACT_ROWS * 16)
 #define ACT_SB (ACT_XS + ACT_ROWS * 256)
