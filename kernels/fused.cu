@@ -528,6 +528,12 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
     // its loads from DRAM overlap the end of gdn_conv instead of following it.
     grid_dependency_wait();
     if (n_dev != nullptr) T = n_dev[0];
+    // The column's output pointer, advanced a token at a time: its 64-bit index arithmetic per
+    // token was a seventh of the token loop's instructions, issued by every warp (each holds a
+    // column's part 0).
+    const bool writes_out = out != nullptr && col_ok && part == 0;
+    float* outp = out + (writes_out ? (size_t)h * dv + col : 0);
+    const size_t out_stride = writes_out ? (size_t)nv * dv : 0;
     for (int c0 = 0; c0 < T; c0 += chunk) {
         const int n = min(chunk, T - c0);
         __syncthreads();                                // the previous chunk's reads are done
@@ -575,7 +581,8 @@ __device__ __forceinline__ void gdn_recur_impl(const unsigned long long* __restr
         for (int tt = 0; tt < n; ++tt) {
             const float o = dn_token<RPT, GDN_PARTS>(s, sk + tt * DKP, sq + tt * DKP, sv[tt * GDN_COLS + lcol],
                                                      sdecay[tt], sbeta[tt], part);
-            if (out != nullptr && col_ok && part == 0) out[((size_t)(c0 + tt) * nv + h) * dv + col] = o * scale;
+            if (writes_out) *outp = o * scale;
+            outp += out_stride;
         }
     }
     if (S_out != nullptr && col_ok) dn_col_store<RPT, GDN_PARTS>(S_out + cbase, s, part, dk);
