@@ -426,6 +426,8 @@ class FusedGpu:
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))
         stages = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_STAGES=")), None)
         smem = mm_smem_bytes(qt, T, stages)
+        # benchmarks: MM_SMEM_EXTRA=N pads the launch's shared memory (fewer blocks a multiprocessor)
+        smem += next((int(v.split("=")[1]) for v in variant if v.startswith("MM_SMEM_EXTRA=")), 0)
         self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.buf if out_act is not None else None
