@@ -18,9 +18,11 @@ MODELS_DIR = REPO_ROOT / "models"
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean 'the input is wrong', imported lazily to keep `--help` fast."""
-    from daemons.gguf_reader import GGUFError
-    errors: list[type[BaseException]] = [GGUFError]
-    for module, name in (("daemons.tokenizer", "TokenizerError"),
+    errors: list[type[BaseException]] = []
+    # (each import may fail where an optional or broken dependency is missing: `--help` and the
+    # commands that need none of these must still work, so a missing one only drops its type)
+    for module, name in (("daemons.gguf_reader", "GGUFError"),
+                         ("daemons.tokenizer", "TokenizerError"),
                          ("daemons.chat_template", "ChatTemplateError"),
                          ("daemons.convert", "ConvertError"),
                          ("daemons.sampling", "SamplingError"),

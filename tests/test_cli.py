@@ -21,6 +21,18 @@ def test_help_lists_commands():
     assert "inspect" in r.output and "demo" in r.output
 
 
+def test_subcommand_help_without_gguf_package():
+    """Bug guarded: a subcommand's `--help` ends in click's Exit, which passed through the handler
+    that imports the user-error types; with the `gguf` package missing that import raised, so
+    `dflashd bench --help` printed its help and then a traceback."""
+    code = ("import sys; sys.modules['gguf'] = None\n"
+            "from daemons.cli import main\n"
+            "main(['bench', '--help'], prog_name='dflashd')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "Usage: dflashd bench" in r.stdout
+
+
 def test_inspect_human_and_json(tmp_path):
     f = tmp_path / "m.gguf"
     write_synthetic_qwen35(f, "tiny", n_layer=8)
