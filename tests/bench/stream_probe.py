@@ -4,7 +4,8 @@ A question the T = 1 products raise (GPU_NOTES, twenty-sixth session): mm_tc wit
 removed (`MM_NO_COMPUTE`) still streams gate|up's 100 MB at only ~2.5-3 TB/s in the decode graph, and
 every way of putting more bytes in flight (a fourth stage, a fifth block a multiprocessor, L2
 prefetches) made the step slower. This probe times the copy pipeline alone, outside the model, with
-each block streaming its contiguous share of a 100 MB matrix the way mm_tc's separate issuer does:
+each block streaming its contiguous share of a matrix of about --mb MB (rounded down so that every
+stage size below divides a block's share) the way mm_tc's separate issuer does:
 
   tma      one warp issues each stage as one bulk copy (cp.async.bulk, TMA) completing on the
            stage's "full" mbarrier; four consumer warps wait on it and release it on "empty"
