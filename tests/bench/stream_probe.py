@@ -21,27 +21,17 @@ Prints GB/s per mechanism and stage shape; nothing here is used by dflashd.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+# The pipeline's barriers and bulk copy are mm_tc's own (tc_common.cuh), so the probe times the same
+# instructions; only the cp.async path is the probe's.
 SRC = r"""
+#include "tc_common.cuh"
 typedef unsigned long long u64;
 __device__ __forceinline__ unsigned sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(u64* b, unsigned n) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(b)), "r"(n) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* b, unsigned par) {
-    unsigned done = 0;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(sa(b)), "r"(par) : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void mbar_arrive(u64* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sa(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(u64* b, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(b)), "r"(bytes) : "memory");
-}
 
 // MODE 0: TMA bulk copy a stage; MODE 1: cp.async 16 B a lane, each lane's copies arriving on full.
 template <int MODE>
@@ -65,8 +55,7 @@ __device__ void pipe(const unsigned char* __restrict__ w, long long total, int s
             if (MODE == 0) {
                 if (lane == 0) {
                     mbar_expect(&full[k], (unsigned)stage_bytes);
-                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                                 ::"r"(sa(st)), "l"(src), "r"(stage_bytes), "r"(sa(&full[k])) : "memory");
+                    bulk_copy(st, src, (unsigned)stage_bytes, &full[k]);
                 }
             } else {
                 for (int o = lane * 16; o < stage_bytes; o += 512)
@@ -82,7 +71,7 @@ __device__ void pipe(const unsigned char* __restrict__ w, long long total, int s
         mbar_wait(&full[k], (unsigned)r & 1u);
         acc ^= *(const unsigned*)(smem + k * stage_bytes + warp * 64 + lane * 4);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[k]);
+        if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
     }
     if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;     // keeps the reads
 }
@@ -121,7 +110,8 @@ def main() -> None:
     dev = cp.cuda.Device()
     n_sm = dev.attributes["MultiProcessorCount"]
     grid = args.blocks_per_sm * n_sm
-    mod = cp.RawModule(code=SRC, options=("-std=c++17", "--use_fast_math"), name_expressions=None)
+    from kernels.cuda_backend import _inline_includes
+    mod = cp.RawModule(code=_inline_includes(SRC), options=("-std=c++17",))
     unit = 55296                                       # every stage size below divides a block's share
     total = int(args.mb * 1e6) // (grid * unit) * (grid * unit)
     n_slices = max(4, int(2.0e9 // total))              # launches walk slices: nothing left in L2
