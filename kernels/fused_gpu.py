@@ -177,6 +177,11 @@ def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = MM_BLOCKS_PER_
     return max(1, min(per_sm * n_sm, (n_rb * n_sb) // 4))
 
 
+def _variant_int(variant: Sequence[str], name: str, default):
+    """The value of a benchmark define NAME=<int> in a variant's define set, else default."""
+    return next((int(v.split("=", 1)[1]) for v in variant if v.startswith(name + "=")), default)
+
+
 @dataclass(frozen=True, eq=False)
 class TcWeight:
     """A matrix (n_out, n_in) in the tensor-core unit layout of kernels/mma_matmul.cu: the GGUF block
@@ -402,7 +407,7 @@ class FusedGpu:
         if mode == MODE_SWIGLU and (len(segs) != 2 or weights[0].n_out != weights[1].n_out or out_act is None):
             raise ValueError(f"{label}: SwiGLU needs gate and up of one shape and an output buffer")
         nt = -(-T // 8)
-        per_sm = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_GRID=")), MM_BLOCKS_PER_SM)
+        per_sm = _variant_int(variant, "MM_GRID", MM_BLOCKS_PER_SM)
         gx, n_rb = self.mm_grid(weights, mode, per_sm)
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
         keep = [act.buf]
@@ -424,10 +429,10 @@ class FusedGpu:
         if getattr(self.dev, "name", "") == "hip" and "MM_ISSUER_WARP=0" not in variant:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))
-        stages = next((int(v.split("=")[1]) for v in variant if v.startswith("MM_STAGES=")), None)
+        stages = _variant_int(variant, "MM_STAGES", None)
         smem = mm_smem_bytes(qt, T, stages)
         # benchmarks: MM_SMEM_EXTRA=N pads the launch's shared memory (fewer blocks a multiprocessor)
-        smem += next((int(v.split("=")[1]) for v in variant if v.startswith("MM_SMEM_EXTRA=")), 0)
+        smem += _variant_int(variant, "MM_SMEM_EXTRA", 0)
         self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.buf if out_act is not None else None
