@@ -157,6 +157,43 @@ def test_drop_ops_script_leaves_out_only_the_named_kinds():
     assert seen == {"gdn_recur", "mm ssm_out Q4_K"}
 
 
+def test_persist_probe_models_the_27b_steps_products():
+    """tests/bench/persist_probe.py (GPU only) models a persistent decode step from the 27B step's product
+    launches: their bytes must be the step's weights (every matrix but the embedding and the conv taps, in
+    the file's types), one launch per weight type of a projection as the step groups them, and a chain of
+    small launches where the step has one (an RMSNorm before a layer's first product and before gate|up,
+    the DeltaNet or attention chain before the output projection, the output norm)."""
+    import importlib.util
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as QT
+
+    from daemons.synthetic import PRESETS, qwen35_tensor_shapes
+    from kernels import ggml_quants
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("persist_probe", root / "tests" / "bench" / "persist_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prep, dn, att = 2.0, 11.0, 7.0
+    prods = mod.step_products(prep, dn, att)
+    shape = PRESETS["qwen35-27b"]
+    want = 0
+    for name, shp in qwen35_tensor_shapes(shape, 248320).items():
+        if len(shp) == 2 and name not in ("token_embd.weight",) and not name.endswith("ssm_conv1d.weight"):
+            q = ggml_quants.quant_spec(QT[q4_k_m_type(name, shp[1], shape.n_layer)])
+            want += shp[0] * shp[1] // q.block_size * q.block_bytes
+    assert sum(b for b, _ in prods) == want
+    n_dn, n_att = 48, 16
+    chains = sorted(d for _, d in prods if d)
+    assert chains == sorted([prep] * (2 * (n_dn + n_att) + 1) + [dn] * n_dn + [att] * n_att)
+    # no chain before ffn_down, nor before the second launch of a projection whose matrices have two types
+    assert sum(1 for _, d in prods if not d) == (n_dn + n_att) + sum(
+        len({q4_k_m_type(f"blk.{i}.{t}", 5120, 64) for t in (("attn_q.weight", "attn_k.weight", "attn_v.weight")
+                                                           if (i + 1) % 4 == 0 else
+                                                           ("attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight",
+                                                            "ssm_beta.weight"))}) - 1 for i in range(64))
+
+
 def test_host_probe_times_what_the_step_calls():
     """tests/bench/host_probe_gpu.py (GPU only) times a decode step's host-side pieces by wrapping the
     step's own methods and reads its decode graph from the plan cache: a rename there would leave the

@@ -1,0 +1,225 @@
+"""What would a persistent decode step gain over today's chain of launches? A timing model, not dflashd.
+
+The twenty-eighth session's decomposition (GPU_NOTES): the 27B decode graph is 6.43 ms against a 3.69 ms
+bound, and ~0.95 ms of it is the boundaries of the ~300 product launches alone (every product reduced to
+its weight copies and every other launch left out: 4.64 ms), while one launch streams the same 15.8 GB in
+3.43 ms (`stream_probe.py --mb 15800`). This probe streams the step's product weights, in the step's order
+and sizes (the qwen35-27b Q4_K_M-like mix), through mm_tc's T = 1 copy pipeline (one issuer warp, a ring of
+stages on full / empty mbarriers, four consumer warps) in ONE launch of 4 blocks a multiprocessor, and puts
+the step's dependencies back as a grid-wide flag per product: a block's consumers start product j only once
+every block has finished product j - 1, plus a fixed delay standing for the chain of small kernels between
+them (RMSNorm prep, the DeltaNet conv / recurrence / gated norm, the attention chain). The issuer never
+waits for a dependency (weights depend on nothing), so the ring streams the next products' weights while
+the consumers wait: what a persistent step would do.
+
+    python3 tests/bench/persist_probe.py [--stage 9216] [--stages 3] [--prep-us 2.5] [--dn-us 10] [--att-us 6]
+
+Prints ms a step for: the products as one stream (no dependencies), with the dependencies and no delays
+(boundaries as flags), and with the delays, next to the figures of the launch chain it models.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+SRC = r"""
+#include "tc_common.cuh"
+typedef unsigned long long u64;
+__device__ __forceinline__ u64 gtimer() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// off[0..n_prod]: the products' byte offsets in w; delay_ns[j]: the chain before product j; deps: 0 =
+// one stream (no waits). count[j] / flag[j] / t_done[j]: zeroed by the host before each launch.
+// A block is n_grp groups of 4 consumer warps and one issuer warp (the last); group g consumes the
+// stages i with i % n_grp == g (mm_tc today: one group a block, four blocks a multiprocessor), each of
+// its warps holding the stage `hold` SM cycles (standing for a unit's arithmetic) before releasing it.
+__device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1, %0;" ::"r"(n) : "memory"); }
+extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* __restrict__ w,
+        const long long* __restrict__ off, int n_prod, const long long* __restrict__ delay_ns, int deps,
+        int sb, int ns, int n_grp, long long hold, unsigned* count, unsigned* flag, u64* t_done, unsigned* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) u64 full[32], empty[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_cons = 128 * n_grp;
+    const long long G = gridDim.x, b = blockIdx.x;
+    if (threadIdx.x == 0)
+        for (int k = 0; k < ns; ++k) { mbar_init(&full[k], 1); mbar_init(&empty[k], 4); }
+    __syncthreads();
+    if (warp == 4 * n_grp) {                     // the issuer: every product's chunks, never waiting on a dependency
+        long long i_all = 0;
+        for (int j = 0; j < n_prod; ++j) {
+            const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
+            for (long long i = c0; i < c1; ++i, ++i_all) {
+                const int k = (int)(i_all % ns);
+                const long long r = i_all / ns;
+                if (r > 0) mbar_wait(&empty[k], (unsigned)(r - 1) & 1u);
+                if (lane == 0) {
+                    mbar_expect(&full[k], (unsigned)sb);
+                    bulk_copy(smem + k * sb, w + off[j] + i * sb, (unsigned)sb, &full[k]);
+                }
+                __syncwarp();
+            }
+        }
+        return;
+    }
+    const int grp = warp / 4, gw = warp % 4;
+    unsigned acc = 0;
+    long long i_all = 0;
+    for (int j = 0; j < n_prod; ++j) {
+        if (deps && j > 0) {                     // product j - 1 done everywhere, then its chain's delay
+            if (threadIdx.x == 0) {
+                while (ld_acquire(&flag[j - 1]) == 0) { }
+                const u64 until = t_done[j - 1] + (u64)delay_ns[j];
+                while (gtimer() < until) { }
+            }
+            consumers_sync(n_cons);
+        }
+        const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
+        for (long long i = c0; i < c1; ++i, ++i_all) {
+            if ((int)(i_all % n_grp) != grp) continue;
+            const int k = (int)(i_all % ns);
+            const long long r = i_all / ns;
+            mbar_wait(&full[k], (unsigned)r & 1u);
+            acc ^= *(const unsigned*)(smem + k * sb + gw * 64 + lane * 4);
+            if (hold > 0) {                      // SM clock cycles (%globaltimer ticks too coarsely)
+                const long long until = clock64() + hold;
+                while (clock64() < until) { }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
+        }
+        if (deps) {
+            consumers_sync(n_cons);              // the block's part of product j is done
+            if (threadIdx.x == 0) {
+                __threadfence();
+                if (atomicAdd(&count[j], 1u) == (unsigned)G - 1) {
+                    t_done[j] = gtimer();
+                    st_release(&flag[j], 1u);
+                }
+            }
+        }
+    }
+    if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;     // keeps the reads
+}
+"""
+
+
+def step_products(prep_us: float, dn_us: float, att_us: float):
+    """(bytes, chain before it in us) of every product launch of a 27B decode step, in order."""
+    from gguf import GGMLQuantizationType
+
+    from daemons.bench import _matrix_type
+    from daemons.synthetic import PRESETS, qwen35_tensor_shapes
+    from kernels import ggml_quants
+    shape = PRESETS["qwen35-27b"]
+    shapes = qwen35_tensor_shapes(shape, 248320)
+
+    def nbytes(name: str) -> tuple[int, str]:
+        rows, n_in = shapes[name]
+        qt = _matrix_type("q4_k_m", name, n_in, shape.n_layer)
+        spec = ggml_quants.quant_spec(GGMLQuantizationType[qt])
+        return rows * n_in // spec.block_size * spec.block_bytes, qt
+
+    out = []
+
+    def group(names, chain_us):
+        by_type: dict[str, int] = {}
+        for n in names:
+            b, qt = nbytes(n)
+            by_type[qt] = by_type.get(qt, 0) + b
+        for i, b in enumerate(by_type.values()):
+            out.append((b, chain_us if i == 0 else 0.0))
+
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        if (i + 1) % shape.full_attention_interval == 0:
+            group([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], prep_us)
+            group([p + "attn_output.weight"], att_us)
+        else:
+            group([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_alpha.weight", p + "ssm_beta.weight"],
+                  prep_us)
+            group([p + "ssm_out.weight"], dn_us)
+        group([p + "ffn_gate.weight", p + "ffn_up.weight"], prep_us)
+        group([p + "ffn_down.weight"], 0.0)
+    group(["output.weight"], prep_us)
+    return out
+
+
+def main() -> None:
+    import cupy as cp
+    import numpy as np
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage", type=int, default=9216, help="bytes a stage (gate|up Q4_K at T = 1: 9216)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 5], help="ring depths to run (at most 32)")
+    ap.add_argument("--prep-us", type=float, default=2.5)
+    ap.add_argument("--dn-us", type=float, default=10.0)
+    ap.add_argument("--att-us", type=float, default=6.0)
+    ap.add_argument("--blocks-per-sm", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=1, help="groups of 4 consumer warps a block")
+    ap.add_argument("--hold-cycles", type=int, default=0,
+                    help="SM cycles a stage is held by its group (T = 1 gate|up in the graph: ~1,340)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    from kernels.cuda_backend import _inline_includes
+    prods = step_products(args.prep_us, args.dn_us, args.att_us)
+    sizes = [b // args.stage * args.stage for b, _ in prods]
+    off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    total = int(off[-1])
+    print(f"{len(prods)} product launches, {total / 1e9:.2f} GB a step; chains: prep {args.prep_us} us, "
+          f"DeltaNet {args.dn_us} us, attention {args.att_us} us "
+          f"({sum(d for _, d in prods) / 1e3:.2f} ms of chains in all)")
+    dev = cp.cuda.Device()
+    mod = cp.RawModule(code=_inline_includes(SRC), options=("-std=c++17",))
+    k = mod.get_function("persist")
+    w = cp.zeros(total, dtype=cp.uint8)
+    off_d = cp.asarray(off)
+    n = len(prods)
+    count, flag = cp.zeros(n, dtype=cp.uint32), cp.zeros(n, dtype=cp.uint32)
+    t_done = cp.zeros(n, dtype=cp.uint64)
+    delays0 = cp.zeros(n, dtype=cp.int64)
+    delays = cp.asarray(np.array([int(d * 1e3) for _, d in prods], dtype=np.int64))
+    for ns in args.stages:
+        smem = args.stage * ns
+        threads = 32 * (4 * args.groups + 1)
+        if smem > 48 * 1024:
+            k.max_dynamic_shared_size_bytes = smem
+        # every block must be resident at once (they wait for each other): the grid is what fits
+        n_fit = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(n_fit), ctypes.c_void_p(k.kernel.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem)):
+            sys.exit("the occupancy calculator failed")
+        per_sm = n_fit.value
+        grid = min(args.blocks_per_sm, per_sm) * dev.attributes["MultiProcessorCount"]
+        sink = cp.zeros(grid, dtype=cp.uint32)
+        print(f"stage {args.stage} B x {ns}, {args.groups} consumer group(s) a block, hold {args.hold_cycles} cycles: "
+              f"{per_sm} blocks a multiprocessor resident, grid {grid}")
+        for label, deps, dl in (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
+                                ("dependencies and chains", 1, delays)):
+            times = []
+            for r in range(args.reps + 1):
+                count.fill(0)
+                flag.fill(0)
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record()
+                k((grid,), (threads,), (w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns),
+                                        np.int32(args.groups), np.int64(args.hold_cycles), count, flag, t_done, sink),
+                  shared_mem=smem)
+                e1.record()
+                e1.synchronize()
+                if r:
+                    times.append(cp.cuda.get_elapsed_time(e0, e1))
+            print(f"stage {args.stage} B x {ns}: {label:30s} {min(times):6.3f} ms (median {np.median(times):.3f})")
+    print("the launch chain it models (twenty-eighth session, decode graph): products as copies, no other launch "
+          "4.64 ms; products as copies with the step's other launches 5.21 ms")
+
+
+if __name__ == "__main__":
+    main()
