@@ -12,7 +12,8 @@ them (RMSNorm prep, the DeltaNet conv / recurrence / gated norm, the attention c
 waits for a dependency (weights depend on nothing), so the ring streams the next products' weights while
 the consumers wait: what a persistent step would do.
 
-    python3 tests/bench/persist_probe.py [--stage 9216] [--stages 3] [--prep-us 2.5] [--dn-us 10] [--att-us 6]
+    python3 tests/bench/persist_probe.py [--stage 9216] [--stages 3 5] [--prep-us 2.5] [--dn-us 10] [--att-us 6]
+        [--blocks-per-sm 4] [--groups 1] [--hold-cycles 0]
 
 Prints ms a step for: the products as one stream (no dependencies), with the dependencies and no delays
 (boundaries as flags), and with the delays, next to the figures of the launch chain it models.
@@ -168,6 +169,8 @@ def main() -> None:
                     help="SM cycles a stage is held by its group (T = 1 gate|up in the graph: ~1,340)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
+    if not all(1 <= ns <= 32 for ns in args.stages) or not 1 <= args.groups <= 4:
+        sys.exit("--stages: 1 to 32 (the kernel's barrier arrays); --groups: 1 to 4 (544 threads a block)")
     from kernels.cuda_backend import _inline_includes
     prods = step_products(args.prep_us, args.dn_us, args.att_us)
     sizes = [b // args.stage * args.stage for b, _ in prods]
