@@ -1,7 +1,7 @@
 """What would a persistent decode step gain over today's chain of launches? A timing model, not dflashd.
 
 The twenty-eighth session's decomposition (GPU_NOTES): the 27B decode graph is 6.43 ms against a 3.69 ms
-bound, and ~0.95 ms of it is the boundaries of the ~300 product launches alone (every product reduced to
+bound, and ~0.95 ms of it is the boundaries of the 289 product launches alone (every product reduced to
 its weight copies and every other launch left out: 4.64 ms), while one launch streams the same 15.8 GB in
 3.43 ms (`stream_probe.py --mb 15800`). This probe streams the step's product weights, in the step's order
 and sizes (the qwen35-27b Q4_K_M-like mix), through mm_tc's T = 1 copy pipeline (one issuer warp, a ring of
