@@ -209,11 +209,19 @@ class Qwen35GpuStep:
     # -- launch groups --------------------------------------------------------------------------
     @staticmethod
     def _group(segs: Sequence[tuple]) -> list[list[tuple]]:
-        """Segments of one projection grouped by weight type (one launch per type), in order."""
+        """Segments of one projection as launches: one launch for up to two weight types (mm_tc runs
+        each type on its share of the grid: one launch boundary fewer than a launch per type), a
+        launch per type beyond that."""
         groups: dict[int, list[tuple]] = {}
         for s in segs:
             groups.setdefault(s[0].qtype, []).append(s)
+        if len(groups) <= 2:
+            return [list(segs)]
         return list(groups.values())
+
+    @staticmethod
+    def _type_names(g: Sequence[tuple]) -> str:
+        return "+".join(dict.fromkeys(s[0].type_name for s in g))
 
     def _all_launch_weights(self):
         m = self.model
@@ -300,7 +308,7 @@ class Qwen35GpuStep:
                 segs = [(mx.w_qkv, qkv, 0, self.C), (mx.w_gate, self.z, 0, hp.ssm_inner),
                         (mx.w_alpha, ab, 0, 2 * self.nv), (mx.w_beta, ab, self.nv, 2 * self.nv)]
                 for g in self._group(segs):
-                    ops.append(fg.op_mm(p + "mm qkv|z|a|b " + g[0][0].type_name, g, self.act_d, T, MODE_ADD, ws))
+                    ops.append(fg.op_mm(p + "mm qkv|z|a|b " + self._type_names(g), g, self.act_d, T, MODE_ADD, ws))
                 rec = self.rec_in[il] if verify else self.rec
                 ops.append(fg.op_gdn_conv(p + "gdn_conv", qkv, self.C, tbl, self._slots[("conv", il)], mx.conv,
                                           ab, mx.dt_bias, mx.ssm_a, rec, T, self.nk, self.nv, self.dk, self.dv,
@@ -321,7 +329,7 @@ class Qwen35GpuStep:
                 H, Hkv, D = self.H, self.Hkv, self.D
                 segs = [(mx.wq, self.qg, 0, 2 * H * D), (mx.wk, self.kb, 0, Hkv * D), (mx.wv, self.vb, 0, Hkv * D)]
                 for g in self._group(segs):
-                    ops.append(fg.op_mm(p + "mm q|k|v " + g[0][0].type_name, g, self.act_d, T, MODE_STORE, ws))
+                    ops.append(fg.op_mm(p + "mm q|k|v " + self._type_names(g), g, self.act_d, T, MODE_STORE, ws))
                 slot = self._slots[("kv", il)]
                 ops.append(fg.op_attn_qk_rope_kv(p + "attn_qk_rope_kv", self.qg, self.kb, self.vb, mx.q_norm,
                                                  mx.k_norm, eps, self.params, tbl, slot, self.qrot, H, Hkv, D,

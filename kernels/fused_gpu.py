@@ -177,6 +177,28 @@ def mm_grid_blocks(n_rb: int, n_sb: int, n_sm: int, per_sm: int = MM_BLOCKS_PER_
     return max(1, min(per_sm * n_sm, (n_rb * n_sb) // 4))
 
 
+def mm_parts(weights: Sequence[Any], mode: int, n_sm: int, per_sm: int = MM_BLOCKS_PER_SM) -> list[tuple[int, int]]:
+    """(thread blocks, row blocks) of each part of an mm_tc launch: the weights of its first type,
+    then those of its second (mma_matmul.cu MM_QT2). A launch of one type is mm_grid_blocks' grid;
+    two types share that grid in proportion to their bytes, so their blocks stream alike and end
+    together, each part keeping at least one block and at most one per 4 of its superblocks. A
+    function of the matrices only, never of the batch width (rows stay batch-invariant)."""
+    types = list(dict.fromkeys(w.qtype for w in weights))
+    n_sb = weights[0].n_sb
+    if mode == MODE_SWIGLU:
+        n_rbs = [-(-weights[0].n_tiles // 2)]
+    else:
+        n_rbs = [sum(-(-w.n_tiles // 4) for w in weights if w.qtype == t) for t in types]
+    if len(n_rbs) == 1:
+        return [(mm_grid_blocks(n_rbs[0], n_sb, n_sm, per_sm), n_rbs[0])]
+    gx = mm_grid_blocks(sum(n_rbs), n_sb, n_sm, per_sm)
+    nbytes = [sum(w.nbytes for w in weights if w.qtype == t) for t in types]
+    cap = [max(1, n * n_sb // 4) for n in n_rbs]
+    ga = min(cap[0], max(1, round(gx * nbytes[0] / sum(nbytes))))
+    gb = min(cap[1], max(1, gx - ga))
+    return [(ga, n_rbs[0]), (gb, n_rbs[1])]
+
+
 def _variant_int(variant: Sequence[str], name: str, default):
     """The value of a benchmark define NAME=<int> in a variant's define set, else default."""
     return next((int(v.split("=", 1)[1]) for v in variant if v.startswith(name + "=")), default)
@@ -378,11 +400,8 @@ class FusedGpu:
 
     def mm_grid(self, weights: Sequence[TcWeight], mode: int, per_sm: int = MM_BLOCKS_PER_SM) -> tuple[int, int]:
         """(thread blocks, row blocks) of a launch over `weights` (per_sm: benchmarks' MM_GRID)."""
-        if mode == MODE_SWIGLU:
-            n_rb = -(-weights[0].n_tiles // 2)
-        else:
-            n_rb = sum(-(-w.n_tiles // 4) for w in weights)
-        return mm_grid_blocks(n_rb, weights[0].n_sb, self.n_sm, per_sm), n_rb
+        parts = mm_parts(weights, mode, self.n_sm, per_sm)
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
     def workspace_need(self, weights: Sequence[TcWeight], mode: int) -> tuple[int, int]:
         """(floats, counters) a launch needs at the widest batch: two partial row blocks per thread
@@ -392,14 +411,18 @@ class FusedGpu:
     def op_mm(self, label: str, segs: Sequence[tuple[TcWeight, Any, int, int]], act: ActBuffer, T: int, mode: int,
               ws: MmWorkspace, out_act: ActBuffer | None = None, variant: tuple[str, ...] = ()) -> Op:
         """y = act @ W.T for each segment (weight, y array, element offset into y, row stride of y);
-        all weights share type and n_in. MODE_ADD: y is an int64 fixed-point accumulator that the
+        all weights share n_in and at most two types (STORE / ADD: the segments of each type form
+        one part of the grid, mm_parts). MODE_ADD: y is an int64 fixed-point accumulator that the
         launch adds round(y * 2^32) into (op_prep_rows folds it into the residual). MODE_SWIGLU:
-        segs = (gate, up), output into out_act."""
+        segs = (gate, up) of one type, output into out_act."""
         xp = self.xp
+        types = list(dict.fromkeys(s[0].qtype for s in segs))
+        segs = [s for t in types for s in segs if s[0].qtype == t]        # the first type's part, then the second's
         weights = [s[0] for s in segs]
         qt, n_sb = weights[0].qtype, weights[0].n_sb
-        if any(w.qtype != qt or w.n_sb != n_sb for w in weights):
-            raise ValueError(f"{label}: one launch needs one type and one width ({[w.name for w in weights]})")
+        if any(w.n_sb != n_sb for w in weights) or len(types) > 2 or (len(types) > 1 and mode == MODE_SWIGLU):
+            raise ValueError(f"{label}: one launch needs one width and one type, or two types outside SwiGLU "
+                             f"({[(w.name, TC_TYPE_NAMES.get(w.qtype, w.qtype)) for w in weights]})")
         if n_sb != act.n_sb:
             raise ValueError(f"{label}: activations of {act.K} columns for weights of {weights[0].n_in}")
         if not 1 <= T <= MAX_T:
@@ -408,7 +431,8 @@ class FusedGpu:
             raise ValueError(f"{label}: SwiGLU needs gate and up of one shape and an output buffer")
         nt = -(-T // 8)
         per_sm = _variant_int(variant, "MM_GRID", MM_BLOCKS_PER_SM)
-        gx, n_rb = self.mm_grid(weights, mode, per_sm)
+        parts = mm_parts(weights, mode, self.n_sm, per_sm)
+        gx, n_rb = sum(p[0] for p in parts), sum(p[1] for p in parts)
         table = np.zeros(len(segs), dtype=SEG_DTYPE)
         keep = [act.buf]
         for i, (w, y, off, ldy) in enumerate(segs):
@@ -428,16 +452,19 @@ class FusedGpu:
             raise ValueError(f"{label}: workspace too small")
         if getattr(self.dev, "name", "") == "hip" and "MM_ISSUER_WARP=0" not in variant:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
-        kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}") + tuple(variant))
+        second = (f"MM_QT2={types[1]}",) if len(types) > 1 else ()
+        kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}",) + second + (f"MM_NT={nt}", f"MM_MODE={mode}")
+                       + tuple(variant))
         stages = _variant_int(variant, "MM_STAGES", None)
-        smem = mm_smem_bytes(qt, T, stages)
+        smem = max(mm_smem_bytes(t, T, stages) for t in types)
         # benchmarks: MM_SMEM_EXTRA=N pads the launch's shared memory (fewer blocks a multiprocessor)
         smem += _variant_int(variant, "MM_SMEM_EXTRA", 0)
         self._smem(kern, smem)
         out16 = out_act.x16 if out_act is not None else None
         outxs = out_act.buf if out_act is not None else None
+        n_segs_a = sum(1 for w in weights if w.qtype == qt)
         args = (seg_dev, np.int32(len(segs)), act.x16, act.buf, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
-                outxs)
+                outxs, np.int32(parts[0][0]), np.int32(n_segs_a), np.int32(parts[0][1]))
         issuer = nt == 1 and "MM_ISSUER_WARP=0" not in variant      # mma_matmul.cu MM_BLOCK_THREADS
         return Op(label, kern, (gx,), (MM_THREADS + (32 if issuer else 0),), args, smem,
                   sum(w.nbytes for w in weights), tuple(keep))

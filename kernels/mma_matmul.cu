@@ -649,7 +649,8 @@ template <int QT, int NT, int MODE>
 __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
                                            const u16* __restrict__ xs, int n_sb, int T,
                                            float* __restrict__ ws, int* __restrict__ counters,
-                                           u16* __restrict__ out16, u16* __restrict__ outxs) {
+                                           u16* __restrict__ out16, u16* __restrict__ outxs,
+                                           const int bid, const int Gn) {   // this block in the part's own grid of Gn
     typedef typename UnitOf<QT>::T U;
     typedef MmGeom<QT> G;
     constexpr int UNIT = G::UNIT;
@@ -689,8 +690,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     else
         for (int s = 0; s < n_segs; ++s) n_rb += (segs[s].n_tiles + 3) >> 2;
     const int W = n_rb * n_sb;
-    const int Gn = gridDim.x;
-    const int f0 = (int)((long long)blockIdx.x * W / Gn), f1 = (int)((long long)(blockIdx.x + 1) * W / Gn);
+    const int f0 = (int)((long long)bid * W / Gn), f1 = (int)((long long)(bid + 1) * W / Gn);
 #if ST_ON
     unsigned* st_rec = (NT == 1 && tid == 0) ? st_record() : nullptr;        // thread 0: computing warp 0's lane 0
     unsigned* st_iss = (NT == 1 && warp == MM_ISSUER(NT) && lane == 0) ? st_record() : nullptr;
@@ -856,8 +856,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // first part, else 0; a stripe cuts at most two row blocks, its first and its last).
     auto put_partial = [&](int rbx, const float (&a)[NT][4]) {
         const int first = stripe_owner((long long)rbx * n_sb, W, Gn);
-        const int slot = (int)blockIdx.x == first ? 1 : 0;
-        float* part = ws + ((size_t)blockIdx.x * 2 + slot) * (size_t)(T * ROWS);
+        const int slot = bid == first ? 1 : 0;
+        float* part = ws + ((size_t)bid * 2 + slot) * (size_t)(T * ROWS);
         if (warp >= 4) return;                   // the issuer warp holds no tile
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -1144,8 +1144,38 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     trigger_dependents();                        // wider batches: only now (MM_TRIGGER_AHEAD above)
 }
 
+// One launch over the matrices of two types (QT2 != 0: a projection that a llama.cpp mix types
+// unevenly; Q4_K_M gives half the layers a Q6_K attn_qkv beside Q4_K z, alpha and beta, and a Q6_K
+// attn_v beside Q4_K q and k): segments [0, n_segs_a) are QT, the rest QT2. Blocks [0, split) run
+// the first part as a grid of their own and the others the second, each part with its own stripes
+// (fixed by its matrices and its share of the grid, never by T: fused_gpu.mm_parts), workspace
+// slots and row-block counters, so every row is summed as by a launch of that part alone on that
+// many blocks. The parts stream side by side and the projection pays one launch boundary, not two.
+template <int QT, int QT2, int NT, int MODE>
+__device__ __forceinline__ void mm_tc_parts(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
+                                            const u16* __restrict__ xs, int n_sb, int T, float* __restrict__ ws,
+                                            int* __restrict__ counters, u16* __restrict__ out16,
+                                            u16* __restrict__ outxs, int split, int n_segs_a, int n_rb_a) {
+    if constexpr (QT2 == 0) {
+        mm_tc_impl<QT, NT, MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, (int)blockIdx.x,
+                                 (int)gridDim.x);
+    } else {
+        if ((int)blockIdx.x < split)
+            mm_tc_impl<QT, NT, MODE>(segs, n_segs_a, x16, xs, n_sb, T, ws, counters, out16, outxs, (int)blockIdx.x,
+                                     split);
+        else
+            mm_tc_impl<QT2, NT, MODE>(segs + n_segs_a, n_segs - n_segs_a, x16, xs, n_sb, T,
+                                      ws + (size_t)2 * split * T * 64, counters + n_rb_a, out16, outxs,
+                                      (int)blockIdx.x - split, (int)gridDim.x - split);
+    }
+}
+
 #if defined(MM_QT)
-// One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_MODE=<0..2>
+// One instantiation per module: -DMM_QT=<ggml type> -DMM_NT=<1..4> -DMM_MODE=<0..2>, and -DMM_QT2=<ggml
+// type> for a launch of two types (mm_tc_parts; a single-type build ignores the last three arguments).
+#ifndef MM_QT2
+#define MM_QT2 0
+#endif
 #if defined(MM_MAXNREG)         // a register cap instead of the occupancy bound (benchmarks)
 #define MM_BOUNDS __maxnreg__(MM_MAXNREG)
 #else
@@ -1154,8 +1184,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 extern "C" __global__ void MM_BOUNDS
 mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, const u16* __restrict__ xs,
       int n_sb, int T, float* __restrict__ ws, int* __restrict__ counters,
-      u16* __restrict__ out16, u16* __restrict__ outxs) { TL_SCOPE;
-    mm_tc_impl<MM_QT, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs);
+      u16* __restrict__ out16, u16* __restrict__ outxs, int split, int n_segs_a, int n_rb_a) { TL_SCOPE;
+    mm_tc_parts<MM_QT, MM_QT2, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, split,
+                                               n_segs_a, n_rb_a);
 }
 #else
 // ---------------------------------------------------------------------------------------------

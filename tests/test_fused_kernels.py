@@ -107,6 +107,62 @@ def test_mm_every_type_and_width(dev, qtype):
             assert np.array_equal(_h(xp, y), got), f"{name}: a second launch differs"
 
 
+@pytest.mark.parametrize("mode", [MODE_STORE, MODE_ADD], ids=["store", "add"])
+def test_mm_two_types_in_one_launch(dev, mode):
+    """A projection whose matrices have two types (Q4_K_M: a Q6_K attn_qkv beside Q4_K z / alpha /
+    beta) runs as one launch, each type on its share of the grid (fused_gpu.mm_parts). Guards: each
+    part's rows must be bit-identical to a launch of that part alone on the same number of blocks
+    (the same stripes, cut row blocks summed in the same order, the second part's workspace slots
+    and counters apart from the first's), whatever the segment order, at every width, on a replay
+    too; and within the types' tolerance of the CPU dequantiser."""
+    import dataclasses
+
+    from kernels.fused_gpu import mm_parts
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(11 + mode)
+    n_in = 2048 if name == "emu" else 5120
+    # (type, rows): the Q6_K matrix between two Q4_K ones, so the launch reorders its segments
+    mats = ([(QT_Q4_K, 40), (QT_Q6_K, 48), (QT_Q4_K, 33)] if name == "emu" else
+            [(QT_Q4_K, 6144), (QT_Q6_K, 10240), (QT_Q4_K, 48), (QT_Q4_K, 48)])
+    raws = [_scaled_raw(qt, n, n_in, rng) for qt, n in mats]
+    ws_ = [fg.repack(f"w{i}", qt, n, n_in, r) for i, ((qt, n), r) in enumerate(zip(mats, raws))]
+    parts = mm_parts(ws_, mode, fg.n_sm)
+    assert len(parts) == 2 and min(p[0] for p in parts) >= 2, parts     # stripes cut row blocks in both parts
+    ws = MmWorkspace(xp, *fg.workspace_need(ws_, mode))
+    ws_alone = MmWorkspace(xp, *fg.workspace_need(ws_, mode))
+    dt = xp.int64 if mode == MODE_ADD else xp.float32
+    widths = (1, 9, 23) if name == "emu" else (1, 5, 8, 9, 16, 23, 32)
+    for T in widths:
+        x = rng.standard_normal((T, n_in)).astype(np.float32)
+        act, xr = _act(fg, x, n_in)
+        ys = [xp.zeros((T, n), dtype=dt) for _, n in mats]
+        segs = [(w, y, 0, w.n_out) for w, y in zip(ws_, ys)]
+        op = fg.op_mm("t", segs, act, T, mode, ws)
+        assert op.grid[0] == sum(p[0] for p in parts)
+        op()
+        got = [_h(xp, y).copy() for y in ys]
+        for (qt, _), r, g in zip(mats, raws, got):
+            vals = fused_ref.fixed_values(g) if mode == MODE_ADD else g
+            err = _rel(vals, fused_ref.mm_ref(xr, r, qt, n_in))
+            assert err <= MM_TOL[qt], f"{name} T={T} type {qt}: {err:.3g}"
+        # each part alone, as a single-type launch on that part's blocks
+        alone = [xp.zeros((T, n), dtype=dt) for _, n in mats]
+        for qt, (blocks, _) in zip(dict.fromkeys(qt for qt, _ in mats), parts):
+            sub = [(w, y, 0, w.n_out) for w, y in zip(ws_, alone) if w.qtype == qt]
+            one = fg.op_mm("t", sub, act, T, mode, ws_alone)
+            dataclasses.replace(one, grid=(blocks,))()
+        for i, (a, g) in enumerate(zip(alone, got)):
+            assert np.array_equal(_h(xp, a), g), f"{name} T={T} segment {i}: differs from its part launched alone"
+        for y in ys:
+            y[...] = 0
+        op()
+        assert all(np.array_equal(_h(xp, y), g) for y, g in zip(ys, got)), f"{name} T={T}: a replay differs"
+    with pytest.raises(ValueError, match="two types"):
+        w8 = fg.repack("w8", QT_Q8_0, 16, n_in, _scaled_raw(QT_Q8_0, 16, n_in, rng))
+        fg.op_mm("t", segs + [(w8, xp.zeros((T, 16), dtype=dt), 0, 16)], act, T, mode, ws)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_units_to_f16_are_the_dequantised_weights(dev, qtype):
     """units_f16_* (the wide-batch product's weights for cuBLAS): every element is the CPU

@@ -82,7 +82,10 @@ BUILDS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("quant_matvec.cu", ("MV_T=2", "MV_R=2", f"MV_QTYPE={cb.GGML_Q6_K}"), ("block_matvec",)),
     ("mma_matmul.cu", (), REPACK_KERNELS + UNITS_F16_KERNELS),
 ] + [("mma_matmul.cu", (f"MM_QT={qt}", f"MM_NT={nt}", f"MM_MODE={mode}", "MM_ISSUER_WARP=0"), ("mm_tc",))
-     for qt, nt, mode in MM_BUILDS]
+     for qt, nt, mode in MM_BUILDS] + [
+    # a launch of two types (mm_tc_parts: Q4_K_M's Q6_K attn_qkv beside Q4_K z / alpha / beta)
+    ("mma_matmul.cu", (f"MM_QT={fg.QT_Q6_K}", f"MM_QT2={fg.QT_Q4_K}", "MM_NT=1", "MM_MODE=1", "MM_ISSUER_WARP=0"),
+     ("mm_tc",))]
 
 
 def _compile(clang: list[str], source: str, defines: tuple[str, ...], arch: str, tmp: Path) -> tuple[int, str, str]:

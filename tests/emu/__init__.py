@@ -30,8 +30,10 @@ CXX = os.environ.get("CXX", "g++")
 
 __all__ = ["EmuDevice", "emu_unavailable_reason", "MM_CONFIGS"]
 
-# The mma_matmul.cu instantiations the emulated library holds: (qtype, NT, mode).
+# The mma_matmul.cu instantiations the emulated library holds: (qtype, NT, mode). A launch of two types
+# (mm_tc_parts, MM_QT2) is built on its first use, as a library of its own.
 MM_CONFIGS = tuple((qt, nt, mode) for qt in (1, 8, 12, 13, 14, 23) for nt in (1, 2, 3, 4) for mode in (0, 1, 2))
+MM_TYPES = frozenset(qt for qt, _, _ in MM_CONFIGS)
 
 
 def emu_unavailable_reason() -> str | None:
@@ -178,10 +180,12 @@ class EmuDevice:
     def _kernel(self, source: str, name: str, defines: tuple[str, ...] = ()) -> _EmuKernel:
         if source == "mma_matmul.cu" and defines:
             d = dict(x.split("=") for x in defines)
-            cfg = (int(d["MM_QT"]), int(d["MM_NT"]), int(d["MM_MODE"]))
-            if cfg not in MM_CONFIGS or len(d) != 3:
+            cfg = (int(d["MM_QT"]), int(d.get("MM_QT2", 0)), int(d["MM_NT"]), int(d["MM_MODE"]))
+            if ((cfg[0], cfg[2], cfg[3]) not in MM_CONFIGS or len(d) != 3 + ("MM_QT2" in d)
+                    or (cfg[1] and (cfg[1] not in MM_TYPES or cfg[3] == 2))):
                 raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
-            return self._library("mma_matmul.cu").kernel("mm_tc__{}_{}_{}".format(*cfg))
+            lib = self._library("mma_matmul.cu", cfg if cfg[1] else None)
+            return lib.kernel("mm_tc__{}_{}_{}_{}".format(*cfg))
         if defines:
             raise RuntimeError(f"emulator: {source} with defines {defines} is not built")
         return self._library(source).kernel(name)
@@ -199,24 +203,30 @@ class EmuDevice:
         pass
 
     # -- builds ---------------------------------------------------------------------------------
-    def _library(self, source: str) -> _Library:
+    def _library(self, source: str, mm_pair: tuple[int, int, int, int] | None = None) -> _Library:
+        """source's emulated build (mma_matmul.cu: every MM_CONFIGS instantiation, or only the
+        two-type launch mm_pair = (qtype, qtype2, NT, mode))."""
         with self._lock:
-            lib = self._libs.get(source)
+            key = source if mm_pair is None else f"{source}:{mm_pair}"
+            lib = self._libs.get(key)
             if lib is None:
                 code = _inline_includes((KERNELS / source).read_text())
                 body = ['#include "emu.cpp"', code]
                 if source == "mma_matmul.cu":
-                    for qt, nt, mode in MM_CONFIGS:
-                        sym = f"mm_tc__{qt}_{nt}_{mode}"
+                    configs = [mm_pair] if mm_pair else [(qt, 0, nt, mode) for qt, nt, mode in MM_CONFIGS]
+                    for qt, qt2, nt, mode in configs:
+                        sym = f"mm_tc__{qt}_{qt2}_{nt}_{mode}"
                         body.append(
                             f'extern "C" __global__ void {sym}(const MmSeg* segs, int n_segs, const u16* x16, '
                             f'const u16* xs, int n_sb, int T, float* ws, int* counters, u16* out16, '
-                            f'u16* outxs) {{ mm_tc_impl<{qt}, {nt}, {mode}>(segs, n_segs, x16, '
-                            f'xs, n_sb, T, ws, counters, out16, outxs); }}')
+                            f'u16* outxs, int split, int n_segs_a, int n_rb_a) {{ mm_tc_parts<{qt}, {qt2}, {nt}, '
+                            f'{mode}>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, split, '
+                            f'n_segs_a, n_rb_a); }}')
                 names = _kernel_names(_preprocess("\n".join(body)))
                 body += [f"EMU_EXPORT({n})" for n in names]
-                path = _build(source.replace(".", "_"), "\n".join(body))
-                lib = self._libs[source] = _Library(path)
+                stem = source.replace(".", "_") + ("" if mm_pair is None else "_{}_{}_{}_{}".format(*mm_pair))
+                path = _build(stem, "\n".join(body))
+                lib = self._libs[key] = _Library(path)
                 lib.reverse_blocks = getattr(self, "_reverse_blocks", False)
             return lib
 
