@@ -160,9 +160,10 @@ def test_drop_ops_script_leaves_out_only_the_named_kinds():
 def test_persist_probe_models_the_27b_steps_products():
     """tests/bench/persist_probe.py (GPU only) models a persistent decode step from the 27B step's product
     launches: their bytes must be the step's weights (every matrix but the embedding and the conv taps, in
-    the file's types), one launch per weight type of a projection as the step groups them, and a chain of
-    small launches where the step has one (an RMSNorm before a layer's first product and before gate|up,
-    the DeltaNet or attention chain before the output projection, the output norm)."""
+    the file's types), one launch a projection as the step groups them (or one a weight type, as before
+    the twenty-ninth session), and a chain of small launches where the step has one (an RMSNorm before a
+    layer's first product and before gate|up, the DeltaNet or attention chain before the output projection,
+    the output norm)."""
     import importlib.util
     from pathlib import Path
 
@@ -176,6 +177,9 @@ def test_persist_probe_models_the_27b_steps_products():
     spec.loader.exec_module(mod)
     prep, dn, att = 2.0, 11.0, 7.0
     prods = mod.step_products(prep, dn, att)
+    per_type = mod.step_products(prep, dn, att, launch_per_type=True)
+    assert sum(b for b, _ in per_type) == sum(b for b, _ in prods)
+    assert (len(prods), len(per_type)) == (257, 289)       # the step's launches now / in the 28th session
     shape = PRESETS["qwen35-27b"]
     want = 0
     for name, shp in qwen35_tensor_shapes(shape, 248320).items():
@@ -186,8 +190,10 @@ def test_persist_probe_models_the_27b_steps_products():
     n_dn, n_att = 48, 16
     chains = sorted(d for _, d in prods if d)
     assert chains == sorted([prep] * (2 * (n_dn + n_att) + 1) + [dn] * n_dn + [att] * n_att)
-    # no chain before ffn_down, nor before the second launch of a projection whose matrices have two types
-    assert sum(1 for _, d in prods if not d) == (n_dn + n_att) + sum(
+    assert sorted(d for _, d in per_type if d) == chains
+    # no chain before ffn_down (nor, launched per type, before the second launch of a two-type projection)
+    assert sum(1 for _, d in prods if not d) == n_dn + n_att
+    assert sum(1 for _, d in per_type if not d) == (n_dn + n_att) + sum(
         len({q4_k_m_type(f"blk.{i}.{t}", 5120, 64) for t in (("attn_q.weight", "attn_k.weight", "attn_v.weight")
                                                            if (i + 1) % 4 == 0 else
                                                            ("attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight",

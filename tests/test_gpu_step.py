@@ -141,6 +141,16 @@ def test_float_matrices_of_a_quantised_file_join_the_step(device, tmp_path):
     assert dev.gpu_step is not None
     mx = dev.layers[0].mixer
     assert isinstance(mx.w_alpha, TcWeight) and mx.w_alpha.qtype == QT_F16
+    # a projection of up to two weight types is one launch (mm_tc_parts), of three a launch per type:
+    # here Q4_K qkv + F16 alpha / beta (layers 0, 1) and Q6_K qkv + Q4_K z + F16 (layer 2)
+    labels = [op.label for op in dev.gpu_step.ops_for(1)]
+    launches = {}
+    for il, layer in enumerate(dev.layers):
+        m = layer.mixer
+        if hasattr(m, "w_qkv"):
+            n_types = len({w.qtype for w in (m.w_qkv, m.w_gate, m.w_alpha, m.w_beta)})
+            launches[n_types] = sum(lb.startswith(f"blk.{il}.mm qkv|z|a|b ") for lb in labels)
+    assert launches == {2: 1, 3: 3}, launches
     prompt = _prompt(cpu.n_vocab, 24)
     ref = cpu.forward(prompt, cpu.new_state(64), logits="all")
     got = dev.forward(prompt, dev.new_state(64), logits="all")

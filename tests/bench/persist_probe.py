@@ -13,7 +13,11 @@ waits for a dependency (weights depend on nothing), so the ring streams the next
 the consumers wait: what a persistent step would do.
 
     python3 tests/bench/persist_probe.py [--stage 9216] [--stages 3 5] [--prep-us 2.5] [--dn-us 10] [--att-us 6]
-        [--blocks-per-sm 4] [--groups 1] [--hold-cycles 0]
+        [--blocks-per-sm 4] [--groups 1] [--hold-cycles 0] [--launch-per-type]
+
+Since the twenty-ninth session the step launches a projection of two weight types as one product
+(mma_matmul.cu mm_tc_parts: 257 product launches); `--launch-per-type` models the twenty-eighth session's
+step (a launch per type of a projection: 289), which its figures in GPU_NOTES were measured with.
 
 Prints ms a step for: the products as one stream (no dependencies), with the dependencies and no delays
 (boundaries as flags), and with the delays, next to the figures of the launch chain it models.
@@ -113,8 +117,10 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
 """
 
 
-def step_products(prep_us: float, dn_us: float, att_us: float):
-    """(bytes, chain before it in us) of every product launch of a 27B decode step, in order."""
+def step_products(prep_us: float, dn_us: float, att_us: float, launch_per_type: bool = False):
+    """(bytes, chain before it in us) of every product launch of a 27B decode step, in order: a
+    projection's matrices as one launch (up to two weight types, as daemons/qwen35_gpu.py groups them),
+    or as one launch per weight type (launch_per_type: the step before the twenty-ninth session)."""
     from gguf import GGMLQuantizationType
 
     from daemons.bench import _matrix_type
@@ -136,6 +142,8 @@ def step_products(prep_us: float, dn_us: float, att_us: float):
         for n in names:
             b, qt = nbytes(n)
             by_type[qt] = by_type.get(qt, 0) + b
+        if not launch_per_type and len(by_type) <= 2:
+            by_type = {"all": sum(by_type.values())}
         for i, b in enumerate(by_type.values()):
             out.append((b, chain_us if i == 0 else 0.0))
 
@@ -168,11 +176,13 @@ def main() -> None:
     ap.add_argument("--hold-cycles", type=int, default=0,
                     help="SM cycles a stage is held by its group (T = 1 gate|up in the graph: ~1,340)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--launch-per-type", action="store_true",
+                    help="a launch per weight type of a projection (the step before the twenty-ninth session)")
     args = ap.parse_args()
     if not all(1 <= ns <= 32 for ns in args.stages) or not 1 <= args.groups <= 4:
         sys.exit("--stages: 1 to 32 (the kernel's barrier arrays); --groups: 1 to 4 (544 threads a block)")
     from kernels.cuda_backend import _inline_includes
-    prods = step_products(args.prep_us, args.dn_us, args.att_us)
+    prods = step_products(args.prep_us, args.dn_us, args.att_us, args.launch_per_type)
     sizes = [b // args.stage * args.stage for b, _ in prods]
     off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     total = int(off[-1])
