@@ -2,7 +2,11 @@
 (issue 8: the T = 1 products run at ~2.5 TB/s in the graph; GPU_NOTES, nineteenth session).
 
     python3 tests/bench/stage_trace_gpu.py [--reps 4] [--path /tmp/qwen35-27b-q4km.gguf]
-        [--variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1] [--all-blocks]
+        [--variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1] [--all-blocks] [--launch ffn_down]
+
+--launch traces the decode graph's launches whose label holds that text instead of gate|up's, one table
+per weight type (ffn_down: its Q4_K and its Q6_K launches, the same shape and stage count, side by side:
+GPU_NOTES, twenty-ninth session), and skips the launch alone.
 
 --all-blocks traces every block of the gate|up launches (their first stages only) and prints where
 the slow ones sit: by multiprocessor, by a block's arrival rank on its multiprocessor, by its place
@@ -50,14 +54,17 @@ TRACE = "MM_STAGE_TRACE"
 ALL_SLOTS, ALL_STAGES = 1024, 4
 
 
-def _tables(cp, want: tuple[str, ...]) -> list:
-    """The trace table of every compiled mm_tc module whose defines include all of `want`."""
+def _tables(cp, want: tuple[str, ...], with_defines: bool = False) -> list:
+    """The trace table of every compiled mm_tc module whose defines include all of `want` (with
+    with_defines: (defines, table) pairs)."""
     out = []
     with cb._MODULES._lock:
-        mods = [m for (src, d), m in cb._MODULES._cache.items() if src == "mma_matmul.cu" and all(w in d for w in want)]
-    for m in mods:
+        mods = [(d, m) for (src, d), m in cb._MODULES._cache.items()
+                if src == "mma_matmul.cu" and all(w in d for w in want)]
+    for d, m in mods:
         ptr = m.get_global("mm_st_tab")
-        out.append(cp.ndarray((ST_SLOTS * ST_BLOCKS, ST_REC), dtype=cp.uint32, memptr=ptr))
+        t = cp.ndarray((ST_SLOTS * ST_BLOCKS, ST_REC), dtype=cp.uint32, memptr=ptr)
+        out.append((d, t) if with_defines else t)
     return out
 
 
@@ -198,6 +205,8 @@ def main() -> None:
     ap.add_argument("--variant", default="", help="defines for the gate|up launches, comma-separated")
     ap.add_argument("--all-blocks", action="store_true",
                     help="trace every block's first stages and print where the slow blocks sit")
+    ap.add_argument("--launch", default=None,
+                    help="trace the decode graph's launches whose label holds this text (one table per weight type)")
     args = ap.parse_args()
     extra = tuple(v for v in args.variant.split(",") if v)
     if args.all_blocks:
@@ -210,7 +219,10 @@ def main() -> None:
     op_mm = fused_gpu.FusedGpu.op_mm
 
     def traced(self, label, segs, act, T, mode, ws, out_act=None, variant=()):
-        variant = tuple(variant) + (TRACE,) + (extra if mode == fused_gpu.MODE_SWIGLU else ())
+        if args.launch is None:
+            variant = tuple(variant) + (TRACE,) + (extra if mode == fused_gpu.MODE_SWIGLU else ())
+        elif args.launch in label:
+            variant = tuple(variant) + (TRACE,) + extra
         return op_mm(self, label, segs, act, T, mode, ws, out_act=out_act, variant=variant)
 
     fused_gpu.FusedGpu.op_mm = traced
@@ -228,6 +240,23 @@ def main() -> None:
         state.copy_from(context)
         step._launch(key, None)
     _sync(b)
+    if args.launch is not None:
+        pairs = _tables(cp, ("MM_NT=1", TRACE), with_defines=True)
+        recs = {d: [] for d, _ in pairs}
+        for _ in range(args.reps):
+            state.copy_from(context)
+            for _, t in pairs:
+                t.fill(0)
+            _sync(b)
+            step._launch(key, None)
+            _sync(b)
+            for d, t in pairs:
+                recs[d].append(_records(cp, [t]))
+        for d, rs in recs.items():
+            rep = np.concatenate([np.full(len(x), i) for i, x in enumerate(rs)])
+            kind = " ".join(x for x in d if x.startswith(("MM_QT", "MM_MODE")))
+            summarise(f"'{args.launch}' T=1 in the decode graph ({kind}) {' '.join(extra)}", np.concatenate(rs), rep)
+        return
     want = ("MM_QT=12", "MM_NT=1", "MM_MODE=2", TRACE)
     tables = _tables(cp, want)
     recs = []
