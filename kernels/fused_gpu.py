@@ -183,9 +183,10 @@ def mm_parts(weights: Sequence[Any], mode: int, n_sm: int, per_sm: int = MM_BLOC
     two types share that grid in proportion to their row blocks, so every block walks about as
     many (row block, superblock) stages as in a launch of one type, each part keeping at least one
     block and at most one per 4 of its stages. (In proportion to their bytes instead, a Q6_K
-    stage being 1.46 times a Q4_K one, the 27B decode graph ran 0.03-0.07 ms slower: the stages'
-    arithmetic counts as well as their bytes; GPU_NOTES, twenty-ninth session.) A function of the
-    matrices only, never of the batch width (rows stay batch-invariant)."""
+    stage being 1.46 times a Q4_K one, the 27B decode graph ran 0.03-0.07 ms slower: at decode a
+    block's ring delivers a stage every ~1-1.3 us whatever its bytes, so a block's time follows its
+    stages; GPU_NOTES, twenty-ninth session.) A function of the matrices only, never of the batch
+    width (rows stay batch-invariant)."""
     types = list(dict.fromkeys(w.qtype for w in weights))
     n_sb = weights[0].n_sb
     if mode == MODE_SWIGLU:

@@ -49,9 +49,9 @@
 // a fifth warp at decode widths (T <= 8) and by warp 0 otherwise. The flat space (row block,
 // superblock) is cut into one contiguous stripe per thread block (grid = a fixed number per
 // matrix, four blocks per multiprocessor, all resident), so every block streams the same number of
-// bytes whatever the matrix shape. A launch over matrices of two types splits its grid between them
-// (mm_tc_parts, below), each part striped the same way. A row block wholly inside a stripe is written straight from the
-// MMA fragments; one cut between stripes (only a stripe's first and last can be) is finished by
+// bytes whatever the matrix shape (a launch over matrices of two types splits its grid between them,
+// each part striped the same way: mm_tc_parts below). A row block wholly inside a stripe is written
+// straight from the MMA fragments; one cut between stripes (only a stripe's first and last can be) is finished by
 // the last of its stripes to arrive, which adds the partial sums in stripe order (deterministic; a
 // counter per row block, reset by that block so a CUDA graph can replay the launch). ADD needs no
 // such exchange: every part adds its sums into a 64-bit fixed-point accumulator (exact, so in any
