@@ -20,8 +20,9 @@ layer parity's qkv and alpha | beta (two buffers of each: a verify's conv blocks
 then prep(output_norm) -> mm[output] -> argmax (or, for sampled decoding, the logits row left on
 the device for `topk_row`, so that only the candidates the sampler needs cross to the host).
 A launch holds matrices of at most two types (llama.cpp's Q4_K_M gives attn_qkv Q6_K in some layers
-beside Q4_K z, alpha and beta: one launch whose grid is split between the two types, mm_tc_parts). The launch list for each (T, mode,
-logits, captured layers, attention key splits) is built once and captured as a CUDA graph (the
+beside Q4_K z, alpha and beta: one launch whose grid is split between the two types, mm_tc_parts).
+The launch list for each (T, mode, logits, captured layers, attention key splits) is built once
+and captured as a CUDA graph (the
 splits grow in powers of two with the context: `plan_key`); a step then writes the params block
 (position, token ids), rebinds the state table if the state changed, launches the graph and reads
 back token ids (and logits only when asked).
