@@ -13,11 +13,15 @@ waits for a dependency (weights depend on nothing), so the ring streams the next
 the consumers wait: what a persistent step would do.
 
     python3 tests/bench/persist_probe.py [--stage 9216] [--stages 3 5] [--prep-us 2.5] [--dn-us 10] [--att-us 6]
-        [--blocks-per-sm 4] [--groups 1] [--hold-cycles 0] [--launch-per-type]
+        [--blocks-per-sm 4] [--groups 1] [--hold-cycles 0] [--launch-per-type] [--dynamic F ...]
 
 Since the twenty-ninth session the step launches a projection of two weight types as one product
 (mma_matmul.cu mm_tc_parts: 257 product launches); `--launch-per-type` models the twenty-eighth session's
 step (a launch per type of a projection: 289), which its figures in GPU_NOTES were measured with.
+
+`--dynamic F` (thirty-second session) runs the same step again with each product's first fraction F of chunks
+as fixed stripes and the rest handed out from a cursor (`persist_dyn`): does handing the tail out shorten a
+product's boundary? (It does not: GPU_NOTES.)
 
 Prints ms a step for: the products as one stream (no dependencies), with the dependencies and no delays
 (boundaries as flags), and with the delays, next to the figures of the launch chain it models.
@@ -114,6 +118,115 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
     }
     if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;     // keeps the reads
 }
+
+// The same step with part of each product's work handed out dynamically (one consumer group a block):
+// the issuer streams its block's fixed stripe of the first sfrac / 1024 of product j's chunks, then takes
+// each next chunk of the rest from product j's cursor (asked a stage ahead), and after product j puts an
+// empty "end of j" stage in its ring, where the consumers count the block's part of j done. So a
+// product ends within about a ring of chunks of its blocks, whichever of them run slow.
+extern "C" __global__ void __launch_bounds__(160) persist_dyn(const unsigned char* __restrict__ w,
+        const long long* __restrict__ off, int n_prod, const long long* __restrict__ delay_ns, int deps,
+        int sb, int ns, long long hold, int sfrac, unsigned* count, unsigned* flag, u64* t_done, int* cursor,
+        unsigned* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) u64 full[32], empty[32];
+    __shared__ long long tag[32];                // the chunk a stage holds, -1: the end of product ptag
+    __shared__ int ptag[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long G = gridDim.x, b = blockIdx.x;
+    if (threadIdx.x == 0)
+        for (int k = 0; k < ns; ++k) { mbar_init(&full[k], 1); mbar_init(&empty[k], 4); }
+    __syncthreads();
+    if (warp == 4) {                             // the issuer (lane 0 decides, asks the cursor a stage ahead)
+        // Product j's chunks [0, S) go out as fixed stripes (S = c * sfrac / 1024), [S, c) from its cursor.
+        int j = 0, pend = 0;
+        long long c = 0, S = 0, s_next = 0, s_end = 0;
+        auto ask = [&]() { pend = atomicAdd(&cursor[j * 32], 1); };   // a cache line a cursor
+        auto start = [&]() {
+            c = (off[j + 1] - off[j]) / sb;
+            S = c * sfrac / 1024;
+            s_next = S * b / G;
+            s_end = S * (b + 1) / G;
+            if (s_next == s_end) ask();
+        };
+        if (lane == 0) start();
+        for (long long i_all = 0;; ++i_all) {
+            const int k = (int)(i_all % ns);
+            const long long rr = i_all / ns;
+            if (rr > 0) mbar_wait(&empty[k], (unsigned)(rr - 1) & 1u);
+            long long i = -1;
+            int jj = j;
+            if (lane == 0) {
+                if (s_next < s_end) {
+                    i = s_next++;
+                    if (s_next == s_end) ask();  // the first dynamic chunk, asked ahead
+                } else if (S + pend < c) {
+                    i = S + pend;
+                    ask();
+                } else if (j + 1 < n_prod) {     // product j is used up: its end goes into this stage
+                    ++j;
+                    start();
+                }
+                tag[k] = i;
+                ptag[k] = jj;
+                if (i >= 0) {
+                    mbar_expect(&full[k], (unsigned)sb);
+                    bulk_copy(smem + k * sb, w + off[jj] + i * sb, (unsigned)sb, &full[k]);
+                } else {
+                    mbar_expect(&full[k], 0u);
+                }
+            }
+            i = __shfl_sync(0xffffffffu, i, 0);
+            jj = __shfl_sync(0xffffffffu, jj, 0);
+            __syncwarp();
+            if (i < 0 && jj == n_prod - 1) break;
+        }
+        return;
+    }
+    unsigned acc = 0;
+    long long i_all = 0;
+    int cur_j = -1;
+    for (;;) {
+        const int k = (int)(i_all % ns);
+        const long long rr = i_all / ns;
+        mbar_wait(&full[k], (unsigned)rr & 1u);
+        const long long i = *(volatile long long*)&tag[k];
+        const int j = *(volatile int*)&ptag[k];
+        if (deps && j != cur_j && j > 0) {       // product j - 1 done everywhere, then its chain's delay
+            if (threadIdx.x == 0) {
+                while (ld_acquire(&flag[j - 1]) == 0) { }
+                const u64 until = t_done[j - 1] + (u64)delay_ns[j];
+                while (gtimer() < until) { }
+            }
+            consumers_sync(128);
+        }
+        cur_j = j;
+        if (i >= 0) {
+            acc ^= *(const unsigned*)(smem + k * sb + warp * 64 + lane * 4);
+            if (hold > 0) {
+                const long long until = clock64() + hold;
+                while (clock64() < until) { }
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
+        ++i_all;
+        if (i < 0) {
+            if (deps) {
+                consumers_sync(128);             // the block's part of product j is done
+                if (threadIdx.x == 0) {
+                    __threadfence();
+                    if (atomicAdd(&count[j], 1u) == (unsigned)G - 1) {
+                        t_done[j] = gtimer();
+                        st_release(&flag[j], 1u);
+                    }
+                }
+            }
+            if (j == n_prod - 1) break;
+        }
+    }
+    if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;
+}
 """
 
 
@@ -176,6 +289,9 @@ def main() -> None:
     ap.add_argument("--hold-cycles", type=int, default=0,
                     help="SM cycles a stage is held by its group (T = 1 gate|up in the graph: ~1,340)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dynamic", type=float, nargs="*", default=[],
+                    help="also run each product's chunks with this fraction as fixed stripes and the rest handed "
+                         "out from a cursor (0: all from the cursor; one consumer group)")
     ap.add_argument("--launch-per-type", action="store_true",
                     help="a launch per weight type of a projection (the step before the twenty-ninth session)")
     args = ap.parse_args()
@@ -230,6 +346,29 @@ def main() -> None:
                 if r:
                     times.append(cp.cuda.get_elapsed_time(e0, e1))
             print(f"stage {args.stage} B x {ns}: {label:30s} {min(times):6.3f} ms (median {np.median(times):.3f})")
+        kd = mod.get_function("persist_dyn")
+        if smem > 48 * 1024:
+            kd.max_dynamic_shared_size_bytes = smem
+        for nc in args.dynamic:
+            cursor = cp.zeros(n * 32, dtype=cp.int32)
+            for label, deps, dl in (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
+                                    ("dependencies and chains", 1, delays)):
+                times = []
+                for r in range(args.reps + 1):
+                    count.fill(0)
+                    flag.fill(0)
+                    cursor.fill(0)
+                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                    e0.record()
+                    kd((grid,), (160,), (w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns),
+                                         np.int64(args.hold_cycles), np.int32(round(nc * 1024)), count, flag, t_done, cursor, sink),
+                       shared_mem=smem)
+                    e1.record()
+                    e1.synchronize()
+                    if r:
+                        times.append(cp.cuda.get_elapsed_time(e0, e1))
+                print(f"stage {args.stage} B x {ns}, {nc:.2f} fixed, rest from a cursor: {label:30s} "
+                      f"{min(times):6.3f} ms (median {np.median(times):.3f})")
     print("the launch chain it models (twenty-eighth session, decode graph): products as copies, no other launch "
           "4.64 ms; products as copies with the step's other launches 5.21 ms")
 
