@@ -295,8 +295,10 @@ def main() -> None:
     ap.add_argument("--launch-per-type", action="store_true",
                     help="a launch per weight type of a projection (the step before the twenty-ninth session)")
     args = ap.parse_args()
-    if not all(1 <= ns <= 32 for ns in args.stages) or not 1 <= args.groups <= 4:
-        sys.exit("--stages: 1 to 32 (the kernel's barrier arrays); --groups: 1 to 4 (544 threads a block)")
+    if (not all(1 <= ns <= 32 for ns in args.stages) or not 1 <= args.groups <= 4
+            or (args.dynamic and args.groups != 1)):
+        sys.exit("--stages: 1 to 32 (the kernel's barrier arrays); --groups: 1 to 4 (544 threads a block), "
+                 "1 with --dynamic")
     from kernels.cuda_backend import _inline_includes
     prods = step_products(args.prep_us, args.dn_us, args.att_us, args.launch_per_type)
     sizes = [b // args.stage * args.stage for b, _ in prods]
@@ -330,45 +332,41 @@ def main() -> None:
         sink = cp.zeros(grid, dtype=cp.uint32)
         print(f"stage {args.stage} B x {ns}, {args.groups} consumer group(s) a block, hold {args.hold_cycles} cycles: "
               f"{per_sm} blocks a multiprocessor resident, grid {grid}")
-        for label, deps, dl in (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
-                                ("dependencies and chains", 1, delays)):
+        runs = (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
+                ("dependencies and chains", 1, delays))
+
+        def best_ms(launch, *zeroed) -> tuple[float, float]:
+            """(min, median) ms of `reps` launches after one warm-up, `zeroed` arrays cleared before each."""
             times = []
             for r in range(args.reps + 1):
-                count.fill(0)
-                flag.fill(0)
+                for a in (count, flag) + zeroed:
+                    a.fill(0)
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                 e0.record()
-                k((grid,), (threads,), (w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns),
-                                        np.int32(args.groups), np.int64(args.hold_cycles), count, flag, t_done, sink),
-                  shared_mem=smem)
+                launch()
                 e1.record()
                 e1.synchronize()
                 if r:
                     times.append(cp.cuda.get_elapsed_time(e0, e1))
-            print(f"stage {args.stage} B x {ns}: {label:30s} {min(times):6.3f} ms (median {np.median(times):.3f})")
-        kd = mod.get_function("persist_dyn")
+            return min(times), float(np.median(times))
+
+        for label, deps, dl in runs:
+            lo, med = best_ms(lambda: k((grid,), (threads,), (
+                w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns), np.int32(args.groups),
+                np.int64(args.hold_cycles), count, flag, t_done, sink), shared_mem=smem))
+            print(f"stage {args.stage} B x {ns}: {label:30s} {lo:6.3f} ms (median {med:.3f})")
+        kd = mod.get_function("persist_dyn")        # one consumer group a block (160 threads)
         if smem > 48 * 1024:
             kd.max_dynamic_shared_size_bytes = smem
-        for nc in args.dynamic:
-            cursor = cp.zeros(n * 32, dtype=cp.int32)
-            for label, deps, dl in (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
-                                    ("dependencies and chains", 1, delays)):
-                times = []
-                for r in range(args.reps + 1):
-                    count.fill(0)
-                    flag.fill(0)
-                    cursor.fill(0)
-                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                    e0.record()
-                    kd((grid,), (160,), (w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns),
-                                         np.int64(args.hold_cycles), np.int32(round(nc * 1024)), count, flag, t_done, cursor, sink),
-                       shared_mem=smem)
-                    e1.record()
-                    e1.synchronize()
-                    if r:
-                        times.append(cp.cuda.get_elapsed_time(e0, e1))
-                print(f"stage {args.stage} B x {ns}, {nc:.2f} fixed, rest from a cursor: {label:30s} "
-                      f"{min(times):6.3f} ms (median {np.median(times):.3f})")
+        cursor = cp.zeros(n * 32, dtype=cp.int32)    # a cache line a product's cursor
+        for frac in args.dynamic:
+            for label, deps, dl in runs:
+                lo, med = best_ms(lambda: kd((grid,), (160,), (
+                    w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns),
+                    np.int64(args.hold_cycles), np.int32(round(frac * 1024)), count, flag, t_done, cursor, sink),
+                    shared_mem=smem), cursor)
+                print(f"stage {args.stage} B x {ns}, {frac:.2f} fixed, rest from a cursor: {label:30s} "
+                      f"{lo:6.3f} ms (median {med:.3f})")
     print("the launch chain it models (twenty-eighth session, decode graph): products as copies, no other launch "
           "4.64 ms; products as copies with the step's other launches 5.21 ms")
 
