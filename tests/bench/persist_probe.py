@@ -52,6 +52,35 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
 // stages i with i % n_grp == g (mm_tc today: one group a block, four blocks a multiprocessor), each of
 // its warps holding the stage `hold` SM cycles (standing for a unit's arithmetic) before releasing it.
 __device__ __forceinline__ void consumers_sync(int n) { asm volatile("bar.sync 1, %0;" ::"r"(n) : "memory"); }
+// The block's consumers (n threads) start product j only once product j - 1 is done everywhere and
+// the chain of small kernels before j (delay_ns[j]) has passed since.
+__device__ __forceinline__ void wait_product(int j, const unsigned* flag, const u64* t_done,
+                                             const long long* delay_ns, int n) {
+    if (threadIdx.x == 0) {
+        while (ld_acquire(&flag[j - 1]) == 0) { }
+        const u64 until = t_done[j - 1] + (u64)delay_ns[j];
+        while (gtimer() < until) { }
+    }
+    consumers_sync(n);
+}
+// The block's part of product j is done: the last block to count it raises flag[j].
+__device__ __forceinline__ void product_done(int j, unsigned* count, unsigned* flag, u64* t_done, int n) {
+    consumers_sync(n);
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&count[j], 1u) == gridDim.x - 1) {
+            t_done[j] = gtimer();
+            st_release(&flag[j], 1u);
+        }
+    }
+}
+// A stage held `hold` SM clock cycles (standing for a unit's arithmetic; %globaltimer ticks too coarsely).
+__device__ __forceinline__ void hold_stage(long long hold) {
+    if (hold > 0) {
+        const long long until = clock64() + hold;
+        while (clock64() < until) { }
+    }
+}
 extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* __restrict__ w,
         const long long* __restrict__ off, int n_prod, const long long* __restrict__ delay_ns, int deps,
         int sb, int ns, int n_grp, long long hold, unsigned* count, unsigned* flag, u64* t_done, unsigned* sink) {
@@ -83,14 +112,7 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
     unsigned acc = 0;
     long long i_all = 0;
     for (int j = 0; j < n_prod; ++j) {
-        if (deps && j > 0) {                     // product j - 1 done everywhere, then its chain's delay
-            if (threadIdx.x == 0) {
-                while (ld_acquire(&flag[j - 1]) == 0) { }
-                const u64 until = t_done[j - 1] + (u64)delay_ns[j];
-                while (gtimer() < until) { }
-            }
-            consumers_sync(n_cons);
-        }
+        if (deps && j > 0) wait_product(j, flag, t_done, delay_ns, n_cons);
         const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
         for (long long i = c0; i < c1; ++i, ++i_all) {
             if ((int)(i_all % n_grp) != grp) continue;
@@ -98,23 +120,11 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
             const long long r = i_all / ns;
             mbar_wait(&full[k], (unsigned)r & 1u);
             acc ^= *(const unsigned*)(smem + k * sb + gw * 64 + lane * 4);
-            if (hold > 0) {                      // SM clock cycles (%globaltimer ticks too coarsely)
-                const long long until = clock64() + hold;
-                while (clock64() < until) { }
-            }
+            hold_stage(hold);
             __syncwarp();
             if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
         }
-        if (deps) {
-            consumers_sync(n_cons);              // the block's part of product j is done
-            if (threadIdx.x == 0) {
-                __threadfence();
-                if (atomicAdd(&count[j], 1u) == (unsigned)G - 1) {
-                    t_done[j] = gtimer();
-                    st_release(&flag[j], 1u);
-                }
-            }
-        }
+        if (deps) product_done(j, count, flag, t_done, n_cons);
     }
     if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;     // keeps the reads
 }
@@ -192,36 +202,17 @@ extern "C" __global__ void __launch_bounds__(160) persist_dyn(const unsigned cha
         mbar_wait(&full[k], (unsigned)rr & 1u);
         const long long i = *(volatile long long*)&tag[k];
         const int j = *(volatile int*)&ptag[k];
-        if (deps && j != cur_j && j > 0) {       // product j - 1 done everywhere, then its chain's delay
-            if (threadIdx.x == 0) {
-                while (ld_acquire(&flag[j - 1]) == 0) { }
-                const u64 until = t_done[j - 1] + (u64)delay_ns[j];
-                while (gtimer() < until) { }
-            }
-            consumers_sync(128);
-        }
+        if (deps && j != cur_j && j > 0) wait_product(j, flag, t_done, delay_ns, 128);
         cur_j = j;
         if (i >= 0) {
             acc ^= *(const unsigned*)(smem + k * sb + warp * 64 + lane * 4);
-            if (hold > 0) {
-                const long long until = clock64() + hold;
-                while (clock64() < until) { }
-            }
+            hold_stage(hold);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
         ++i_all;
         if (i < 0) {
-            if (deps) {
-                consumers_sync(128);             // the block's part of product j is done
-                if (threadIdx.x == 0) {
-                    __threadfence();
-                    if (atomicAdd(&count[j], 1u) == (unsigned)G - 1) {
-                        t_done[j] = gtimer();
-                        st_release(&flag[j], 1u);
-                    }
-                }
-            }
+            if (deps) product_done(j, count, flag, t_done, 128);
             if (j == n_prod - 1) break;
         }
     }
@@ -295,10 +286,12 @@ def main() -> None:
     ap.add_argument("--launch-per-type", action="store_true",
                     help="a launch per weight type of a projection (the step before the twenty-ninth session)")
     args = ap.parse_args()
-    if (not all(1 <= ns <= 32 for ns in args.stages) or not 1 <= args.groups <= 4
+    # A ring slot must always go to the same group (stage i to group i % groups), or a group waits on
+    # the parity of a phase another group's stage completed: --stages a multiple of --groups.
+    if (not all(1 <= ns <= 32 and ns % args.groups == 0 for ns in args.stages) or not 1 <= args.groups <= 4
             or (args.dynamic and args.groups != 1)):
-        sys.exit("--stages: 1 to 32 (the kernel's barrier arrays); --groups: 1 to 4 (544 threads a block), "
-                 "1 with --dynamic")
+        sys.exit("--stages: 1 to 32 (the kernel's barrier arrays), each a multiple of --groups; --groups: 1 to 4 "
+                 "(544 threads a block), 1 with --dynamic")
     from kernels.cuda_backend import _inline_includes
     prods = step_products(args.prep_us, args.dn_us, args.att_us, args.launch_per_type)
     sizes = [b // args.stage * args.stage for b, _ in prods]
@@ -317,6 +310,24 @@ def main() -> None:
     t_done = cp.zeros(n, dtype=cp.uint64)
     delays0 = cp.zeros(n, dtype=cp.int64)
     delays = cp.asarray(np.array([int(d * 1e3) for _, d in prods], dtype=np.int64))
+    runs = (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
+            ("dependencies and chains", 1, delays))
+
+    def best_ms(launch, *zeroed) -> tuple[float, float]:
+        """(min, median) ms of `reps` launches after one warm-up, `zeroed` arrays cleared before each."""
+        times = []
+        for r in range(args.reps + 1):
+            for a in (count, flag) + zeroed:
+                a.fill(0)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            launch()
+            e1.record()
+            e1.synchronize()
+            if r:
+                times.append(cp.cuda.get_elapsed_time(e0, e1))
+        return min(times), float(np.median(times))
+
     for ns in args.stages:
         smem = args.stage * ns
         threads = 32 * (4 * args.groups + 1)
@@ -332,24 +343,6 @@ def main() -> None:
         sink = cp.zeros(grid, dtype=cp.uint32)
         print(f"stage {args.stage} B x {ns}, {args.groups} consumer group(s) a block, hold {args.hold_cycles} cycles: "
               f"{per_sm} blocks a multiprocessor resident, grid {grid}")
-        runs = (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
-                ("dependencies and chains", 1, delays))
-
-        def best_ms(launch, *zeroed) -> tuple[float, float]:
-            """(min, median) ms of `reps` launches after one warm-up, `zeroed` arrays cleared before each."""
-            times = []
-            for r in range(args.reps + 1):
-                for a in (count, flag) + zeroed:
-                    a.fill(0)
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record()
-                launch()
-                e1.record()
-                e1.synchronize()
-                if r:
-                    times.append(cp.cuda.get_elapsed_time(e0, e1))
-            return min(times), float(np.median(times))
-
         for label, deps, dl in runs:
             lo, med = best_ms(lambda: k((grid,), (threads,), (
                 w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns), np.int32(args.groups),
