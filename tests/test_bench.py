@@ -176,8 +176,11 @@ def test_persist_probe_models_the_27b_steps_products():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     prep, dn, att = 2.0, 11.0, 7.0
-    prods = mod.step_products(prep, dn, att)
+    kinds: list = []
+    prods = mod.step_products(prep, dn, att, kinds=kinds)
     per_type = mod.step_products(prep, dn, att, launch_per_type=True)
+    # each launch's chain by kind (--chain / --phases replace a chain by its small launches)
+    assert [{"prep": prep, "dn": dn, "att": att, None: 0.0}[k] for k in kinds] == [d for _, d in prods]
     assert sum(b for b, _ in per_type) == sum(b for b, _ in prods)
     assert (len(prods), len(per_type)) == (257, 289)       # the step's launches now / in the 28th session
     shape = PRESETS["qwen35-27b"]

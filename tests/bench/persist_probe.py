@@ -14,6 +14,7 @@ the consumers wait: what a persistent step would do.
 
     python3 tests/bench/persist_probe.py [--stage 9216] [--stages 3 5] [--prep-us 2.5] [--dn-us 10] [--att-us 6]
         [--blocks-per-sm 4] [--groups 1] [--hold-cycles 0] [--launch-per-type] [--dynamic F ...]
+        [--chain [--phases "prep=2.5;dn=3.3,2.8,2.3;att=1.4,6.9,2.1"] [--trig 12]]
 
 Since the twenty-ninth session the step launches a projection of two weight types as one product
 (mma_matmul.cu mm_tc_parts: 257 product launches); `--launch-per-type` models the twenty-eighth session's
@@ -22,6 +23,13 @@ step (a launch per type of a projection: 289), which its figures in GPU_NOTES we
 `--dynamic F` (thirty-second session) runs the same step again with each product's first fraction F of chunks
 as fixed stripes and the rest handed out from a cursor (`persist_dyn`): does handing the tail out shorten a
 product's boundary? (It does not: GPU_NOTES.)
+
+`--chain` (thirty-fourth session) puts the launch chain it replaces in the same run and the same terms: the
+products as a captured graph of PDL launches of this pipeline (one a product, the ring asked for before the
+dependency wait, dependents triggered `--trig` chunks before a stripe's end), each small launch of the chains as
+a launch that spins its run time (`--phases`, us), against the persistent kernel with each phase run by one
+block and ending in a flag. With `--hold-cycles` both forms hold every stage as long, so the difference is
+what the persistent form saves with arithmetic in the stages.
 
 Prints ms a step for: the products as one stream (no dependencies), with the dependencies and no delays
 (boundaries as flags), and with the delays, next to the figures of the launch chain it models.
@@ -81,9 +89,29 @@ __device__ __forceinline__ void hold_stage(long long hold) {
         while (clock64() < until) { }
     }
 }
+// --phases: the chain before product j as up to 4 phases of ph[4j + p] SM cycles, each run by thread 0 of block
+// p once the phase (or product) before it has raised its flag, and ending by raising pflag[4j + p], as a
+// persistent step's small kernels would (a flag round trip a phase); the consumers of j wait for the last.
+__device__ __forceinline__ void wait_phases(int j, const unsigned* flag, const long long* ph, unsigned* pflag,
+                                            int n) {
+    if (threadIdx.x == 0) {
+        const unsigned* prev = &flag[j - 1];
+        for (int p = 0; p < 4 && ph[4 * j + p] > 0; ++p) {
+            if (blockIdx.x == p) {
+                while (ld_acquire(prev) == 0) { }
+                hold_stage(ph[4 * j + p]);
+                st_release(&pflag[4 * j + p], 1u);
+            }
+            prev = &pflag[4 * j + p];
+        }
+        while (ld_acquire(prev) == 0) { }
+    }
+    consumers_sync(n);
+}
 extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* __restrict__ w,
         const long long* __restrict__ off, int n_prod, const long long* __restrict__ delay_ns, int deps,
-        int sb, int ns, int n_grp, long long hold, unsigned* count, unsigned* flag, u64* t_done, unsigned* sink) {
+        int sb, int ns, int n_grp, long long hold, unsigned* count, unsigned* flag, u64* t_done, unsigned* sink,
+        const long long* __restrict__ ph, unsigned* pflag) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) u64 full[32], empty[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_cons = 128 * n_grp;
@@ -112,7 +140,8 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
     unsigned acc = 0;
     long long i_all = 0;
     for (int j = 0; j < n_prod; ++j) {
-        if (deps && j > 0) wait_product(j, flag, t_done, delay_ns, n_cons);
+        if (deps == 1 && j > 0) wait_product(j, flag, t_done, delay_ns, n_cons);
+        if (deps == 2 && j > 0) wait_phases(j, flag, ph, pflag, n_cons);
         const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
         for (long long i = c0; i < c1; ++i, ++i_all) {
             if ((int)(i_all % n_grp) != grp) continue;
@@ -127,6 +156,57 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
         if (deps) product_done(j, count, flag, t_done, n_cons);
     }
     if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;     // keeps the reads
+}
+
+// --chain: the launch chain the persistent kernel would replace, in the same terms. One launch a product
+// (chain_prod: the persistent kernel's issuer and one consumer group on this product's stripe; the ring's
+// weights asked for before the dependency wait, as mm_tc does, and dependents triggered once all but `trig`
+// chunks of the stripe are issued, MM_TRIGGER_AHEAD), and one launch a phase of the chains (chain_small: a
+// spin of the phase's cycles after its dependency wait). Both take enough dynamic shared memory that, as
+// mm_tc's registers do, four product blocks fill a multiprocessor and nothing else starts there before one
+// of them leaves.
+extern "C" __global__ void __launch_bounds__(160) chain_prod(const unsigned char* __restrict__ w, long long c,
+        int sb, int ns, long long hold, int trig, unsigned* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) u64 full[32], empty[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long G = gridDim.x, b = blockIdx.x, c0 = c * b / G, c1 = c * (b + 1) / G;
+    if (threadIdx.x == 0)
+        for (int k = 0; k < ns; ++k) { mbar_init(&full[k], 1); mbar_init(&empty[k], 4); }
+    __syncthreads();
+    if (warp == 4) {
+        for (long long i = c0; i < c1; ++i) {
+            const long long q = i - c0, r = q / ns;
+            const int k = (int)(q % ns);
+            if (r > 0) mbar_wait(&empty[k], (unsigned)(r - 1) & 1u);
+            if (lane == 0) {
+                mbar_expect(&full[k], (unsigned)sb);
+                bulk_copy(smem + k * sb, w + i * sb, (unsigned)sb, &full[k]);
+            }
+            if (i >= c1 - trig) trigger_dependents();
+            __syncwarp();
+        }
+        trigger_dependents();
+        return;
+    }
+    grid_dependency_wait();
+    unsigned acc = 0;
+    for (long long i = c0; i < c1; ++i) {
+        const long long q = i - c0;
+        const int k = (int)(q % ns);
+        mbar_wait(&full[k], (unsigned)(q / ns) & 1u);
+        acc ^= *(const unsigned*)(smem + k * sb + warp * 64 + lane * 4);
+        hold_stage(hold);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
+    }
+    if (acc == 0x9e3779b9u) sink[b] = acc;
+}
+extern "C" __global__ void chain_small(long long cycles) {
+    trigger_dependents();                        // as the step's small kernels do, at once
+    grid_dependency_wait();
+    if (threadIdx.x == 0) hold_stage(cycles);
+    __syncthreads();
 }
 
 // The same step with part of each product's work handed out dynamically (one consumer group a block):
@@ -221,10 +301,12 @@ extern "C" __global__ void __launch_bounds__(160) persist_dyn(const unsigned cha
 """
 
 
-def step_products(prep_us: float, dn_us: float, att_us: float, launch_per_type: bool = False):
+def step_products(prep_us: float, dn_us: float, att_us: float, launch_per_type: bool = False,
+                  kinds: list | None = None):
     """(bytes, chain before it in us) of every product launch of a 27B decode step, in order: a
     projection's matrices as one launch (up to two weight types, as daemons/qwen35_gpu.py groups them),
-    or as one launch per weight type (launch_per_type: the step before the twenty-ninth session)."""
+    or as one launch per weight type (launch_per_type: the step before the twenty-ninth session).
+    `kinds`, when given, receives each launch's chain: "prep", "dn", "att" or None."""
     from gguf import GGMLQuantizationType
 
     from daemons.bench import _matrix_type
@@ -240,8 +322,9 @@ def step_products(prep_us: float, dn_us: float, att_us: float, launch_per_type: 
         return rows * n_in // spec.block_size * spec.block_bytes, qt
 
     out = []
+    chain_us = {"prep": prep_us, "dn": dn_us, "att": att_us, None: 0.0}
 
-    def group(names, chain_us):
+    def group(names, kind):
         by_type: dict[str, int] = {}
         for n in names:
             b, qt = nbytes(n)
@@ -249,20 +332,22 @@ def step_products(prep_us: float, dn_us: float, att_us: float, launch_per_type: 
         if not launch_per_type and len(by_type) <= 2:
             by_type = {"all": sum(by_type.values())}
         for i, b in enumerate(by_type.values()):
-            out.append((b, chain_us if i == 0 else 0.0))
+            out.append((b, chain_us[kind] if i == 0 else 0.0))
+            if kinds is not None:
+                kinds.append(kind if i == 0 else None)
 
     for i in range(shape.n_layer):
         p = f"blk.{i}."
         if (i + 1) % shape.full_attention_interval == 0:
-            group([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], prep_us)
-            group([p + "attn_output.weight"], att_us)
+            group([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], "prep")
+            group([p + "attn_output.weight"], "att")
         else:
             group([p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_alpha.weight", p + "ssm_beta.weight"],
-                  prep_us)
-            group([p + "ssm_out.weight"], dn_us)
-        group([p + "ffn_gate.weight", p + "ffn_up.weight"], prep_us)
-        group([p + "ffn_down.weight"], 0.0)
-    group(["output.weight"], prep_us)
+                  "prep")
+            group([p + "ssm_out.weight"], "dn")
+        group([p + "ffn_gate.weight", p + "ffn_up.weight"], "prep")
+        group([p + "ffn_down.weight"], None)
+    group(["output.weight"], "prep")
     return out
 
 
@@ -285,6 +370,15 @@ def main() -> None:
                          "out from a cursor (0: all from the cursor; one consumer group)")
     ap.add_argument("--launch-per-type", action="store_true",
                     help="a launch per weight type of a projection (the step before the twenty-ninth session)")
+    ap.add_argument("--chain", action="store_true",
+                    help="also run the launch chain this kernel would replace (a captured graph with PDL: a launch "
+                         "a product, a launch a phase of the chains) against the persistent kernel with each "
+                         "phase ending in a flag, both with the --phases below")
+    ap.add_argument("--phases", default="prep=2.5;dn=3.3,2.8,2.3;att=1.4,6.9,2.1",
+                    help="us of each small launch of a chain (default: the v24 decode timeline's run times: the "
+                         "preps; gdn_conv, gdn_recur, gdn_out_prep; attn_qk_rope_kv, attn_partial, attn_combine_prep)")
+    ap.add_argument("--trig", type=int, default=12, help="--chain: chunks before a stripe's end that a product "
+                                                          "launch triggers its dependents (MM_TRIGGER_AHEAD)")
     args = ap.parse_args()
     # A ring slot must always go to the same group (stage i to group i % groups), or a group waits on
     # the parity of a phase another group's stage completed: --stages a multiple of --groups.
@@ -293,7 +387,12 @@ def main() -> None:
         sys.exit("--stages: 1 to 32 (the kernel's barrier arrays), each a multiple of --groups; --groups: 1 to 4 "
                  "(544 threads a block), 1 with --dynamic")
     from kernels.cuda_backend import _inline_includes
-    prods = step_products(args.prep_us, args.dn_us, args.att_us, args.launch_per_type)
+    kinds: list = []
+    prods = step_products(args.prep_us, args.dn_us, args.att_us, args.launch_per_type, kinds)
+    phases_us = {kind: [float(x) for x in us.split(",")]
+                 for kind, us in (item.split("=") for item in args.phases.split(";"))}
+    if set(phases_us) != {"prep", "dn", "att"} or any(len(v) > 4 for v in phases_us.values()):
+        sys.exit("--phases: prep=US,...;dn=US,...;att=US,... (at most 4 phases a chain)")
     sizes = [b // args.stage * args.stage for b, _ in prods]
     off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     total = int(off[-1])
@@ -310,8 +409,24 @@ def main() -> None:
     t_done = cp.zeros(n, dtype=cp.uint64)
     delays0 = cp.zeros(n, dtype=cp.int64)
     delays = cp.asarray(np.array([int(d * 1e3) for _, d in prods], dtype=np.int64))
+    # --chain: each chain's phases in SM cycles (the device's rated clock), the same in both forms
+    cyc_per_us = dev.attributes.get("ClockRate", 1_980_000) / 1e3
+    ph_host = np.zeros((n, 4), dtype=np.int64)
+    for j, kind in enumerate(kinds):
+        for p, us in enumerate(phases_us.get(kind, []) if kind else []):
+            ph_host[j, p] = int(us * cyc_per_us)
+    ph = cp.asarray(ph_host.reshape(-1))
+    pflag = cp.zeros(4 * n, dtype=cp.uint32)
     runs = (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
             ("dependencies and chains", 1, delays))
+
+    def resident(kern, threads: int, smem: int) -> int:
+        """Blocks of `kern` a multiprocessor holds at once (the occupancy calculator)."""
+        n_fit = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(n_fit), ctypes.c_void_p(kern.kernel.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem)):
+            sys.exit("the occupancy calculator failed")
+        return n_fit.value
 
     def best_ms(launch, *zeroed) -> tuple[float, float]:
         """(min, median) ms of `reps` launches after one warm-up, `zeroed` arrays cleared before each."""
@@ -328,17 +443,54 @@ def main() -> None:
                 times.append(cp.cuda.get_elapsed_time(e0, e1))
         return min(times), float(np.median(times))
 
+    def chain_ms(ns: int, with_chains: bool) -> tuple[float, float]:
+        """(min, median) ms of the step as a captured chain of launches with PDL (--chain)."""
+        from kernels.cuda_backend import CudaBackend
+        from kernels.fused_gpu import Op
+        be = CudaBackend()
+        kp, ks = mod.get_function("chain_prod"), mod.get_function("chain_small")
+        n_sm = dev.attributes["MultiProcessorCount"]
+        sm_smem = dev.attributes.get("MaxSharedMemoryPerMultiprocessor", 233472)
+        dyn = sm_smem // args.blocks_per_sm - 2 * 32 * 8 - 1024    # the barriers; 1 KB a block is the driver's
+        kp.max_dynamic_shared_size_bytes = dyn
+        while dyn >= args.stage * ns and resident(kp, 160, dyn) < args.blocks_per_sm:
+            dyn -= 1024
+        if dyn < args.stage * ns or resident(kp, 160, dyn) != args.blocks_per_sm:
+            sys.exit(f"--chain: cannot hold exactly {args.blocks_per_sm} product blocks a multiprocessor")
+        small_smem = 8192                    # cannot start beside four product blocks
+        grid = args.blocks_per_sm * n_sm
+        sink = cp.zeros(grid, dtype=cp.uint32)
+        ops = []
+        for j in range(n):
+            if with_chains:
+                for cyc in ph_host[j]:
+                    if cyc > 0:
+                        ops.append(Op(f"phase{j}", ks, (n_sm,), (128,), (np.int64(cyc),), smem=small_smem))
+            ops.append(Op(f"product{j}", kp, (grid,), (160,), (
+                w[int(off[j]):], np.int64(sizes[j] // args.stage), np.int32(args.stage), np.int32(ns),
+                np.int64(args.hold_cycles), np.int32(args.trig), sink), smem=dyn))
+        g = be.capture_graph(ops)
+        if not be.pdl_used:
+            sys.exit(f"--chain: the graph was captured without PDL ({be.pdl_error})")
+        times = []
+        for r in range(args.reps + 1):
+            be.busy_wait(2e-3)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            be.launch_graph(g)
+            e1.record()
+            e1.synchronize()
+            if r:
+                times.append(cp.cuda.get_elapsed_time(e0, e1))
+        return min(times), float(np.median(times))
+
     for ns in args.stages:
         smem = args.stage * ns
         threads = 32 * (4 * args.groups + 1)
         if smem > 48 * 1024:
             k.max_dynamic_shared_size_bytes = smem
         # every block must be resident at once (they wait for each other): the grid is what fits
-        n_fit = ctypes.c_int()
-        if ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(n_fit), ctypes.c_void_p(k.kernel.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem)):
-            sys.exit("the occupancy calculator failed")
-        per_sm = n_fit.value
+        per_sm = resident(k, threads, smem)
         grid = min(args.blocks_per_sm, per_sm) * dev.attributes["MultiProcessorCount"]
         sink = cp.zeros(grid, dtype=cp.uint32)
         print(f"stage {args.stage} B x {ns}, {args.groups} consumer group(s) a block, hold {args.hold_cycles} cycles: "
@@ -346,8 +498,18 @@ def main() -> None:
         for label, deps, dl in runs:
             lo, med = best_ms(lambda: k((grid,), (threads,), (
                 w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns), np.int32(args.groups),
-                np.int64(args.hold_cycles), count, flag, t_done, sink), shared_mem=smem))
+                np.int64(args.hold_cycles), count, flag, t_done, sink, ph, pflag), shared_mem=smem))
             print(f"stage {args.stage} B x {ns}: {label:30s} {lo:6.3f} ms (median {med:.3f})")
+        if args.chain:
+            lo, med = best_ms(lambda: k((grid,), (threads,), (
+                w, off_d, np.int32(n), delays0, np.int32(2), np.int32(args.stage), np.int32(ns),
+                np.int32(args.groups), np.int64(args.hold_cycles), count, flag, t_done, sink, ph, pflag),
+                shared_mem=smem), pflag)
+            print(f"stage {args.stage} B x {ns}: {'dependencies, phases as flags':30s} {lo:6.3f} ms (median {med:.3f})")
+            for with_chains in (False, True):
+                lo, med = chain_ms(ns, with_chains)
+                label = "launch chain, " + ("phases as launches" if with_chains else "products only")
+                print(f"stage {args.stage} B x {ns}: {label:30s} {lo:6.3f} ms (median {med:.3f})")
         kd = mod.get_function("persist_dyn")        # one consumer group a block (160 threads)
         if smem > 48 * 1024:
             kd.max_dynamic_shared_size_bytes = smem
