@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import sys
 
@@ -362,8 +363,9 @@ def main() -> None:
     ap.add_argument("--att-us", type=float, default=6.0)
     ap.add_argument("--blocks-per-sm", type=int, default=4)
     ap.add_argument("--groups", type=int, default=1, help="groups of 4 consumer warps a block")
-    ap.add_argument("--hold-cycles", type=int, default=0,
-                    help="SM cycles a stage is held by its group (T = 1 gate|up in the graph: ~1,340)")
+    ap.add_argument("--hold-cycles", type=int, nargs="+", default=[0],
+                    help="SM cycles a stage is held by its group (T = 1 gate|up in the graph: ~1,340); "
+                         "each value a run")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dynamic", type=float, nargs="*", default=[],
                     help="also run each product's chunks with this fraction as fixed stripes and the rest handed "
@@ -443,7 +445,7 @@ def main() -> None:
                 times.append(cp.cuda.get_elapsed_time(e0, e1))
         return min(times), float(np.median(times))
 
-    def chain_ms(ns: int, with_chains: bool) -> tuple[float, float]:
+    def chain_ms(ns: int, with_chains: bool, hold: int) -> tuple[float, float]:
         """(min, median) ms of the step as a captured chain of launches with PDL (--chain)."""
         from kernels.cuda_backend import CudaBackend
         from kernels.fused_gpu import Op
@@ -468,7 +470,7 @@ def main() -> None:
                         ops.append(Op(f"phase{j}", ks, (n_sm,), (128,), (np.int64(cyc),), smem=small_smem))
             ops.append(Op(f"product{j}", kp, (grid,), (160,), (
                 w[int(off[j]):], np.int64(sizes[j] // args.stage), np.int32(args.stage), np.int32(ns),
-                np.int64(args.hold_cycles), np.int32(args.trig), sink), smem=dyn))
+                np.int64(hold), np.int32(args.trig), sink), smem=dyn))
         g = be.capture_graph(ops)
         if not be.pdl_used:
             sys.exit(f"--chain: the graph was captured without PDL ({be.pdl_error})")
@@ -484,7 +486,7 @@ def main() -> None:
                 times.append(cp.cuda.get_elapsed_time(e0, e1))
         return min(times), float(np.median(times))
 
-    for ns in args.stages:
+    for hold, ns in itertools.product(args.hold_cycles, args.stages):
         smem = args.stage * ns
         threads = 32 * (4 * args.groups + 1)
         if smem > 48 * 1024:
@@ -493,21 +495,21 @@ def main() -> None:
         per_sm = resident(k, threads, smem)
         grid = min(args.blocks_per_sm, per_sm) * dev.attributes["MultiProcessorCount"]
         sink = cp.zeros(grid, dtype=cp.uint32)
-        print(f"stage {args.stage} B x {ns}, {args.groups} consumer group(s) a block, hold {args.hold_cycles} cycles: "
+        print(f"stage {args.stage} B x {ns}, {args.groups} consumer group(s) a block, hold {hold} cycles: "
               f"{per_sm} blocks a multiprocessor resident, grid {grid}")
         for label, deps, dl in runs:
             lo, med = best_ms(lambda: k((grid,), (threads,), (
                 w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns), np.int32(args.groups),
-                np.int64(args.hold_cycles), count, flag, t_done, sink, ph, pflag), shared_mem=smem))
+                np.int64(hold), count, flag, t_done, sink, ph, pflag), shared_mem=smem))
             print(f"stage {args.stage} B x {ns}: {label:30s} {lo:6.3f} ms (median {med:.3f})")
         if args.chain:
             lo, med = best_ms(lambda: k((grid,), (threads,), (
                 w, off_d, np.int32(n), delays0, np.int32(2), np.int32(args.stage), np.int32(ns),
-                np.int32(args.groups), np.int64(args.hold_cycles), count, flag, t_done, sink, ph, pflag),
+                np.int32(args.groups), np.int64(hold), count, flag, t_done, sink, ph, pflag),
                 shared_mem=smem), pflag)
             print(f"stage {args.stage} B x {ns}: {'dependencies, phases as flags':30s} {lo:6.3f} ms (median {med:.3f})")
             for with_chains in (False, True):
-                lo, med = chain_ms(ns, with_chains)
+                lo, med = chain_ms(ns, with_chains, hold)
                 label = "launch chain, " + ("phases as launches" if with_chains else "products only")
                 print(f"stage {args.stage} B x {ns}: {label:30s} {lo:6.3f} ms (median {med:.3f})")
         kd = mod.get_function("persist_dyn")        # one consumer group a block (160 threads)
@@ -518,7 +520,7 @@ def main() -> None:
             for label, deps, dl in runs:
                 lo, med = best_ms(lambda: kd((grid,), (160,), (
                     w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns),
-                    np.int64(args.hold_cycles), np.int32(round(frac * 1024)), count, flag, t_done, cursor, sink),
+                    np.int64(hold), np.int32(round(frac * 1024)), count, flag, t_done, cursor, sink),
                     shared_mem=smem), cursor)
                 print(f"stage {args.stage} B x {ns}, {frac:.2f} fixed, rest from a cursor: {label:30s} "
                       f"{lo:6.3f} ms (median {med:.3f})")
