@@ -90,6 +90,31 @@ __device__ __forceinline__ void hold_stage(long long hold) {
         while (clock64() < until) { }
     }
 }
+// Ring stage q (the q-th chunk a block streams): its slot q % ns, refilled once the consumers have
+// released the slot's previous fill; one lane of the issuer warp copies `sb` bytes from src into it.
+__device__ __forceinline__ void issue_stage(long long q, int ns, int sb, unsigned char* smem, const unsigned char* src,
+                                            u64* full, u64* empty, int lane) {
+    const int k = (int)(q % ns);
+    const long long r = q / ns;
+    if (r > 0) mbar_wait(&empty[k], (unsigned)(r - 1) & 1u);
+    if (lane == 0) {
+        mbar_expect(&full[k], (unsigned)sb);
+        bulk_copy(smem + k * sb, src, (unsigned)sb, &full[k]);
+    }
+    __syncwarp();
+}
+// A consumer warp (gw of its group) waits for stage q, reads a word of it, holds it `hold` cycles and
+// releases the slot; the word keeps the reads alive.
+__device__ __forceinline__ unsigned consume_stage(long long q, int ns, int sb, const unsigned char* smem, int gw,
+                                                  int lane, long long hold, u64* full, u64* empty) {
+    const int k = (int)(q % ns);
+    mbar_wait(&full[k], (unsigned)(q / ns) & 1u);
+    const unsigned v = *(const unsigned*)(smem + k * sb + gw * 64 + lane * 4);
+    hold_stage(hold);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
+    return v;
+}
 // --phases: the chain before product j as up to 4 phases of ph[4j + p] SM cycles, each run by thread 0 of block
 // p once the phase (or product) before it has raised its flag, and ending by raising pflag[4j + p], as a
 // persistent step's small kernels would (a flag round trip a phase); the consumers of j wait for the last.
@@ -124,16 +149,8 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
         long long i_all = 0;
         for (int j = 0; j < n_prod; ++j) {
             const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
-            for (long long i = c0; i < c1; ++i, ++i_all) {
-                const int k = (int)(i_all % ns);
-                const long long r = i_all / ns;
-                if (r > 0) mbar_wait(&empty[k], (unsigned)(r - 1) & 1u);
-                if (lane == 0) {
-                    mbar_expect(&full[k], (unsigned)sb);
-                    bulk_copy(smem + k * sb, w + off[j] + i * sb, (unsigned)sb, &full[k]);
-                }
-                __syncwarp();
-            }
+            for (long long i = c0; i < c1; ++i, ++i_all)
+                issue_stage(i_all, ns, sb, smem, w + off[j] + i * sb, full, empty, lane);
         }
         return;
     }
@@ -145,14 +162,7 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
         if (deps == 2 && j > 0) wait_phases(j, flag, ph, pflag, n_cons);
         const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
         for (long long i = c0; i < c1; ++i, ++i_all) {
-            if ((int)(i_all % n_grp) != grp) continue;
-            const int k = (int)(i_all % ns);
-            const long long r = i_all / ns;
-            mbar_wait(&full[k], (unsigned)r & 1u);
-            acc ^= *(const unsigned*)(smem + k * sb + gw * 64 + lane * 4);
-            hold_stage(hold);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
+            if ((int)(i_all % n_grp) == grp) acc ^= consume_stage(i_all, ns, sb, smem, gw, lane, hold, full, empty);
         }
         if (deps) product_done(j, count, flag, t_done, n_cons);
     }
@@ -177,30 +187,15 @@ extern "C" __global__ void __launch_bounds__(160) chain_prod(const unsigned char
     __syncthreads();
     if (warp == 4) {
         for (long long i = c0; i < c1; ++i) {
-            const long long q = i - c0, r = q / ns;
-            const int k = (int)(q % ns);
-            if (r > 0) mbar_wait(&empty[k], (unsigned)(r - 1) & 1u);
-            if (lane == 0) {
-                mbar_expect(&full[k], (unsigned)sb);
-                bulk_copy(smem + k * sb, w + i * sb, (unsigned)sb, &full[k]);
-            }
+            issue_stage(i - c0, ns, sb, smem, w + i * sb, full, empty, lane);
             if (i >= c1 - trig) trigger_dependents();
-            __syncwarp();
         }
         trigger_dependents();
         return;
     }
     grid_dependency_wait();
     unsigned acc = 0;
-    for (long long i = c0; i < c1; ++i) {
-        const long long q = i - c0;
-        const int k = (int)(q % ns);
-        mbar_wait(&full[k], (unsigned)(q / ns) & 1u);
-        acc ^= *(const unsigned*)(smem + k * sb + warp * 64 + lane * 4);
-        hold_stage(hold);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
-    }
+    for (long long i = c0; i < c1; ++i) acc ^= consume_stage(i - c0, ns, sb, smem, warp, lane, hold, full, empty);
     if (acc == 0x9e3779b9u) sink[b] = acc;
 }
 extern "C" __global__ void chain_small(long long cycles) {
