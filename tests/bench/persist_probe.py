@@ -14,7 +14,8 @@ the consumers wait: what a persistent step would do.
 
     python3 tests/bench/persist_probe.py [--stage 9216] [--stages 3 5] [--prep-us 2.5] [--dn-us 10] [--att-us 6]
         [--blocks-per-sm 4] [--groups 1] [--hold-cycles 0] [--launch-per-type] [--dynamic F ...]
-        [--chain [--phases "prep=2.5;dn=3.3,2.8,2.3;att=1.4,6.9,2.1"] [--trig 12]]
+        [--chain [--phases "prep=2.5;dn=3.3,2.8,2.3;att=1.4,6.9,2.1"] [--trig 12] [--phase-blocks 1 0]]
+        [--act-bytes 12512]
 
 Since the twenty-ninth session the step launches a projection of two weight types as one product
 (mma_matmul.cu mm_tc_parts: 257 product launches); `--launch-per-type` models the twenty-eighth session's
@@ -29,7 +30,21 @@ products as a captured graph of PDL launches of this pipeline (one a product, th
 dependency wait, dependents triggered `--trig` chunks before a stripe's end), each small launch of the chains as
 a launch that spins its run time (`--phases`, us), against the persistent kernel with each phase run by one
 block and ending in a flag. With `--hold-cycles` both forms hold every stage as long, so the difference is
-what the persistent form saves with arithmetic in the stages.
+what the persistent form saves with arithmetic in the stages. `--phase-blocks` (thirty-fifth session) spreads each
+phase over that many blocks (0: one a multiprocessor), as the real small kernels are (gdn_recur 192 blocks, a
+prep 7 a row): in the persistent form each then counts its arrival and the last raises the flag, the launch
+chain's small launches get that grid; one block a phase (the default) is the persistent form's best case.
+
+`--act-bytes` (thirty-fifth session) makes every stage also copy that many bytes of activation rows from a
+buffer L2 holds, the shape of a verify step's stages (W = 23: 23 rows x 544 bytes beside a Q4_K stage's 9,216
+of weights), so with `--trig -1` (wide launches trigger their dependents only at their end), the W = 23
+timeline's phases and a longer hold the probe asks the same question of verify:
+
+    python3 tests/bench/persist_probe.py --stages 2 --act-bytes 12512 --trig -1 --chain --hold-cycles 0 1900 \
+        --phases "prep=4.6;dn=10.4,12.0,7.2;att=11.6,18.9,8.9" --phase-blocks 1 0
+
+(the wide pipeline's own structure, warp 0 issuing and computing behind a block barrier a stage, is not
+modelled: both forms get the decode pipeline's issuer warp).
 
 Prints ms a step for: the products as one stream (no dependencies), with the dependencies and no delays
 (boundaries as flags), and with the delays, next to the figures of the launch chain it models.
@@ -46,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 SRC = r"""
 #include "tc_common.cuh"
+#define PROBE_ACT_SB 20           // --act-bytes: the superblocks of activation rows a stage cycles through (5120 columns)
 typedef unsigned long long u64;
 __device__ __forceinline__ u64 gtimer() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
@@ -92,41 +108,53 @@ __device__ __forceinline__ void hold_stage(long long hold) {
 }
 // Ring stage q (the q-th chunk a block streams): its slot q % ns, refilled once the consumers have
 // released the slot's previous fill; one lane of the issuer warp copies `sb` bytes from src into it.
+// With ab > 0 (--act-bytes) the stage also holds ab bytes of activation rows, copied from act (a small
+// buffer that stays in L2, as a launch's rows do) after the weights: a slot is then sb + ab bytes.
 __device__ __forceinline__ void issue_stage(long long q, int ns, int sb, unsigned char* smem, const unsigned char* src,
-                                            u64* full, u64* empty, int lane) {
-    const int k = (int)(q % ns);
+                                            u64* full, u64* empty, int lane, int ab = 0,
+                                            const unsigned char* act = nullptr) {
+    const int k = (int)(q % ns), slot = sb + ab;
     const long long r = q / ns;
     if (r > 0) mbar_wait(&empty[k], (unsigned)(r - 1) & 1u);
     if (lane == 0) {
-        mbar_expect(&full[k], (unsigned)sb);
-        bulk_copy(smem + k * sb, src, (unsigned)sb, &full[k]);
+        mbar_expect(&full[k], (unsigned)slot);
+        bulk_copy(smem + k * slot, src, (unsigned)sb, &full[k]);
+        if (ab > 0) bulk_copy(smem + k * slot + sb, act + (q % PROBE_ACT_SB) * ab, (unsigned)ab, &full[k]);
     }
     __syncwarp();
 }
 // A consumer warp (gw of its group) waits for stage q, reads a word of it, holds it `hold` cycles and
 // releases the slot; the word keeps the reads alive.
 __device__ __forceinline__ unsigned consume_stage(long long q, int ns, int sb, const unsigned char* smem, int gw,
-                                                  int lane, long long hold, u64* full, u64* empty) {
+                                                  int lane, long long hold, u64* full, u64* empty, int ab = 0) {
     const int k = (int)(q % ns);
     mbar_wait(&full[k], (unsigned)(q / ns) & 1u);
-    const unsigned v = *(const unsigned*)(smem + k * sb + gw * 64 + lane * 4);
+    const unsigned v = *(const unsigned*)(smem + k * (sb + ab) + gw * 64 + lane * 4);
     hold_stage(hold);
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_ref(&empty[k]));
     return v;
 }
-// --phases: the chain before product j as up to 4 phases of ph[4j + p] SM cycles, each run by thread 0 of block
-// p once the phase (or product) before it has raised its flag, and ending by raising pflag[4j + p], as a
-// persistent step's small kernels would (a flag round trip a phase); the consumers of j wait for the last.
+// --phases: the chain before product j as up to 4 phases of ph[4j + p] SM cycles, each run by thread 0 of nb
+// blocks once the phase (or product) before it has raised its flag; the last of them to count itself in
+// pcount[4j + p] raises pflag[4j + p], as a persistent step's small kernels spread over nb blocks would (an
+// arrival and a flag round trip a phase; nb = 1: one block, no count); the consumers of j wait for the last.
+// Phase p takes the blocks (p * nb + i) % G, so that consecutive phases are not run by the same blocks.
 __device__ __forceinline__ void wait_phases(int j, const unsigned* flag, const long long* ph, unsigned* pflag,
-                                            int n) {
+                                            unsigned* pcount, int nb, int n) {
     if (threadIdx.x == 0) {
         const unsigned* prev = &flag[j - 1];
         for (int p = 0; p < 4 && ph[4 * j + p] > 0; ++p) {
-            if (blockIdx.x == p) {
+            const unsigned i = (blockIdx.x + gridDim.x - (unsigned)(p * nb) % gridDim.x) % gridDim.x;
+            if (i < (unsigned)nb) {
                 while (ld_acquire(prev) == 0) { }
                 hold_stage(ph[4 * j + p]);
-                st_release(&pflag[4 * j + p], 1u);
+                if (nb == 1) {
+                    st_release(&pflag[4 * j + p], 1u);
+                } else {
+                    __threadfence();
+                    if (atomicAdd(&pcount[4 * j + p], 1u) == (unsigned)nb - 1) st_release(&pflag[4 * j + p], 1u);
+                }
             }
             prev = &pflag[4 * j + p];
         }
@@ -137,7 +165,8 @@ __device__ __forceinline__ void wait_phases(int j, const unsigned* flag, const l
 extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* __restrict__ w,
         const long long* __restrict__ off, int n_prod, const long long* __restrict__ delay_ns, int deps,
         int sb, int ns, int n_grp, long long hold, unsigned* count, unsigned* flag, u64* t_done, unsigned* sink,
-        const long long* __restrict__ ph, unsigned* pflag) {
+        const long long* __restrict__ ph, unsigned* pflag, unsigned* pcount, int nb, int ab,
+        const unsigned char* __restrict__ act) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) u64 full[32], empty[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_cons = 128 * n_grp;
@@ -150,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
         for (int j = 0; j < n_prod; ++j) {
             const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
             for (long long i = c0; i < c1; ++i, ++i_all)
-                issue_stage(i_all, ns, sb, smem, w + off[j] + i * sb, full, empty, lane);
+                issue_stage(i_all, ns, sb, smem, w + off[j] + i * sb, full, empty, lane, ab, act);
         }
         return;
     }
@@ -159,10 +188,11 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
     long long i_all = 0;
     for (int j = 0; j < n_prod; ++j) {
         if (deps == 1 && j > 0) wait_product(j, flag, t_done, delay_ns, n_cons);
-        if (deps == 2 && j > 0) wait_phases(j, flag, ph, pflag, n_cons);
+        if (deps == 2 && j > 0) wait_phases(j, flag, ph, pflag, pcount, nb, n_cons);
         const long long c = (off[j + 1] - off[j]) / sb, c0 = c * b / G, c1 = c * (b + 1) / G;
         for (long long i = c0; i < c1; ++i, ++i_all) {
-            if ((int)(i_all % n_grp) == grp) acc ^= consume_stage(i_all, ns, sb, smem, gw, lane, hold, full, empty);
+            if ((int)(i_all % n_grp) == grp)
+                acc ^= consume_stage(i_all, ns, sb, smem, gw, lane, hold, full, empty, ab);
         }
         if (deps) product_done(j, count, flag, t_done, n_cons);
     }
@@ -177,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(544) persist(const unsigned char* _
 // mm_tc's registers do, four product blocks fill a multiprocessor and nothing else starts there before one
 // of them leaves.
 extern "C" __global__ void __launch_bounds__(160) chain_prod(const unsigned char* __restrict__ w, long long c,
-        int sb, int ns, long long hold, int trig, unsigned* sink) {
+        int sb, int ns, long long hold, int trig, unsigned* sink, int ab, const unsigned char* __restrict__ act) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) u64 full[32], empty[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -187,15 +217,16 @@ extern "C" __global__ void __launch_bounds__(160) chain_prod(const unsigned char
     __syncthreads();
     if (warp == 4) {
         for (long long i = c0; i < c1; ++i) {
-            issue_stage(i - c0, ns, sb, smem, w + i * sb, full, empty, lane);
-            if (i >= c1 - trig) trigger_dependents();
+            issue_stage(i - c0, ns, sb, smem, w + i * sb, full, empty, lane, ab, act);
+            if (trig > 0 && i >= c1 - trig) trigger_dependents();
         }
-        trigger_dependents();
+        if (trig >= 0) trigger_dependents();    // trig < 0: at the block's end, as wide launches do
         return;
     }
     grid_dependency_wait();
     unsigned acc = 0;
-    for (long long i = c0; i < c1; ++i) acc ^= consume_stage(i - c0, ns, sb, smem, warp, lane, hold, full, empty);
+    for (long long i = c0; i < c1; ++i)
+        acc ^= consume_stage(i - c0, ns, sb, smem, warp, lane, hold, full, empty, ab);
     if (acc == 0x9e3779b9u) sink[b] = acc;
 }
 extern "C" __global__ void chain_small(long long cycles) {
@@ -375,7 +406,14 @@ def main() -> None:
                     help="us of each small launch of a chain (default: the v24 decode timeline's run times: the "
                          "preps; gdn_conv, gdn_recur, gdn_out_prep; attn_qk_rope_kv, attn_partial, attn_combine_prep)")
     ap.add_argument("--trig", type=int, default=12, help="--chain: chunks before a stripe's end that a product "
-                                                          "launch triggers its dependents (MM_TRIGGER_AHEAD)")
+                                                          "launch triggers its dependents (MM_TRIGGER_AHEAD); "
+                                                          "-1: at its blocks' end, as wide launches do")
+    ap.add_argument("--phase-blocks", type=int, nargs="+", default=[1],
+                    help="--chain: blocks that run each phase (each a run; 0: one a multiprocessor): a persistent "
+                         "phase ends in an arrival of each and a flag, a launch of the chain has this grid")
+    ap.add_argument("--act-bytes", type=int, default=0,
+                    help="bytes of activation rows a stage also copies, from a buffer L2 holds (verify W = 23's "
+                         "Q4_K stages: 23 x 544 = 12512)")
     args = ap.parse_args()
     # A ring slot must always go to the same group (stage i to group i % groups), or a group waits on
     # the parity of a phase another group's stage completed: --stages a multiple of --groups.
@@ -383,6 +421,8 @@ def main() -> None:
             or (args.dynamic and args.groups != 1)):
         sys.exit("--stages: 1 to 32 (the kernel's barrier arrays), each a multiple of --groups; --groups: 1 to 4 "
                  "(544 threads a block), 1 with --dynamic")
+    if args.stage % 16 or args.act_bytes % 16 or args.act_bytes < 0 or (args.act_bytes and args.dynamic):
+        sys.exit("--stage and --act-bytes: multiples of 16 (bulk copies); --act-bytes not with --dynamic")
     from kernels.cuda_backend import _inline_includes
     kinds: list = []
     prods = step_products(args.prep_us, args.dn_us, args.att_us, args.launch_per_type, kinds)
@@ -413,7 +453,11 @@ def main() -> None:
         for p, us in enumerate(phases_us.get(kind, []) if kind else []):
             ph_host[j, p] = int(us * cyc_per_us)
     ph = cp.asarray(ph_host.reshape(-1))
-    pflag = cp.zeros(4 * n, dtype=cp.uint32)
+    pflag, pcount = cp.zeros(4 * n, dtype=cp.uint32), cp.zeros(4 * n, dtype=cp.uint32)
+    n_sm = dev.attributes["MultiProcessorCount"]
+    phase_blocks = [nb or n_sm for nb in args.phase_blocks]
+    ab = args.act_bytes
+    act = cp.zeros(max(ab, 16) * 20, dtype=cp.uint8)      # PROBE_ACT_SB superblocks of rows
     runs = (("one stream (no dependencies)", 0, delays0), ("dependencies, no chains", 1, delays0),
             ("dependencies and chains", 1, delays))
 
@@ -443,20 +487,19 @@ def main() -> None:
                 times.append(cp.cuda.get_elapsed_time(e0, e1))
         return min(times), float(np.median(times))
 
-    def chain_ms(ns: int, with_chains: bool, hold: int) -> tuple[float, float]:
+    def chain_ms(ns: int, with_chains: bool, hold: int, nb: int) -> tuple[float, float]:
         """(min, median) ms of the step as a captured chain of launches with PDL (--chain)."""
         from kernels.cuda_backend import CudaBackend
         from kernels.fused_gpu import Op
         be = CudaBackend()
         kp, ks = mod.get_function("chain_prod"), mod.get_function("chain_small")
-        n_sm = dev.attributes["MultiProcessorCount"]
         sm_smem = dev.attributes.get("MaxSharedMemoryPerMultiprocessor", 233472)
         dyn = sm_smem // args.blocks_per_sm - 2 * 32 * 8 - 1024    # the barriers; 1 KB a block is the driver's
         kp.max_dynamic_shared_size_bytes = dyn
-        while dyn >= args.stage * ns and resident(kp, 160, dyn) < args.blocks_per_sm:
+        while dyn >= slot * ns and resident(kp, 160, dyn) < args.blocks_per_sm:
             dyn -= 1024
-        if dyn < args.stage * ns or resident(kp, 160, dyn) != args.blocks_per_sm:
-            sys.exit(f"--chain: cannot hold exactly {args.blocks_per_sm} product blocks a multiprocessor")
+        if dyn < slot * ns or resident(kp, 160, dyn) != args.blocks_per_sm:
+            raise ValueError(f"cannot hold exactly {args.blocks_per_sm} product blocks of {ns} stages a multiprocessor")
         small_smem = 8192                    # cannot start beside four product blocks
         grid = args.blocks_per_sm * n_sm
         sink = cp.zeros(grid, dtype=cp.uint32)
@@ -465,18 +508,19 @@ def main() -> None:
             if with_chains:
                 for cyc in ph_host[j]:
                     if cyc > 0:
-                        ops.append(Op(f"phase{j}", ks, (n_sm,), (128,), (np.int64(cyc),), smem=small_smem))
+                        ops.append(Op(f"phase{j}", ks, (nb,), (128,), (np.int64(cyc),), smem=small_smem))
             ops.append(Op(f"product{j}", kp, (grid,), (160,), (
                 w[int(off[j]):], np.int64(sizes[j] // args.stage), np.int32(args.stage), np.int32(ns),
-                np.int64(hold), np.int32(args.trig), sink), smem=dyn))
+                np.int64(hold), np.int32(args.trig), sink, np.int32(ab), act), smem=dyn))
         g = be.capture_graph(ops)
         if not be.pdl_used:
             sys.exit(f"--chain: the graph was captured without PDL ({be.pdl_error})")
         # behind a busy-wait: the graph's ~700 launches are queued before it starts
         return best_ms(lambda: be.launch_graph(g), before=lambda: be.busy_wait(2e-3))
 
+    slot = args.stage + ab
     for hold, ns in itertools.product(args.hold_cycles, args.stages):
-        smem = args.stage * ns
+        smem = slot * ns
         threads = 32 * (4 * args.groups + 1)
         if smem > 48 * 1024:
             k.max_dynamic_shared_size_bytes = smem
@@ -484,23 +528,29 @@ def main() -> None:
         per_sm = resident(k, threads, smem)
         grid = min(args.blocks_per_sm, per_sm) * dev.attributes["MultiProcessorCount"]
         sink = cp.zeros(grid, dtype=cp.uint32)
-        print(f"stage {args.stage} B x {ns}, {args.groups} consumer group(s) a block, hold {hold} cycles: "
-              f"{per_sm} blocks a multiprocessor resident, grid {grid}")
+        print(f"stage {args.stage} B (+ {ab} B of rows) x {ns}, {args.groups} consumer group(s) a block, hold {hold} "
+              f"cycles: {per_sm} blocks a multiprocessor resident, grid {grid}")
         for label, deps, dl in runs:
             lo, med = best_ms(lambda: k((grid,), (threads,), (
                 w, off_d, np.int32(n), dl, np.int32(deps), np.int32(args.stage), np.int32(ns), np.int32(args.groups),
-                np.int64(hold), count, flag, t_done, sink, ph, pflag), shared_mem=smem))
+                np.int64(hold), count, flag, t_done, sink, ph, pflag, pcount, np.int32(1), np.int32(ab), act),
+                shared_mem=smem))
             print(f"stage {args.stage} B x {ns}: {label:30s} {lo:6.3f} ms (median {med:.3f})")
-        if args.chain:
-            lo, med = best_ms(lambda: k((grid,), (threads,), (
-                w, off_d, np.int32(n), delays0, np.int32(2), np.int32(args.stage), np.int32(ns),
-                np.int32(args.groups), np.int64(hold), count, flag, t_done, sink, ph, pflag),
-                shared_mem=smem), pflag)
-            print(f"stage {args.stage} B x {ns}: {'dependencies, phases as flags':30s} {lo:6.3f} ms (median {med:.3f})")
-            for with_chains in (False, True):
-                lo, med = chain_ms(ns, with_chains, hold)
-                label = "launch chain, " + ("phases as launches" if with_chains else "products only")
-                print(f"stage {args.stage} B x {ns}: {label:30s} {lo:6.3f} ms (median {med:.3f})")
+        if args.chain and per_sm < args.blocks_per_sm:
+            print(f"stage {args.stage} B x {ns}: no launch chain (fewer than {args.blocks_per_sm} blocks fit)")
+        elif args.chain:
+            lo, med = chain_ms(ns, False, hold, 1)
+            print(f"stage {args.stage} B x {ns}: {'launch chain, products only':38s} {lo:6.3f} ms (median {med:.3f})")
+            for nb in phase_blocks:
+                lo, med = best_ms(lambda: k((grid,), (threads,), (
+                    w, off_d, np.int32(n), delays0, np.int32(2), np.int32(args.stage), np.int32(ns),
+                    np.int32(args.groups), np.int64(hold), count, flag, t_done, sink, ph, pflag, pcount,
+                    np.int32(min(nb, grid)), np.int32(ab), act), shared_mem=smem), pflag, pcount)
+                label = f"dependencies, phases as flags ({nb} bl.)"
+                print(f"stage {args.stage} B x {ns}: {label:38s} {lo:6.3f} ms (median {med:.3f})")
+                lo, med = chain_ms(ns, True, hold, nb)
+                label = f"launch chain, phases as launches ({nb} bl.)"
+                print(f"stage {args.stage} B x {ns}: {label:38s} {lo:6.3f} ms (median {med:.3f})")
         kd = mod.get_function("persist_dyn")        # one consumer group a block (160 threads)
         if smem > 48 * 1024:
             kd.max_dynamic_shared_size_bytes = smem
