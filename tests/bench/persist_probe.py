@@ -40,11 +40,14 @@ buffer L2 holds, the shape of a verify step's stages (W = 23: 23 rows x 544 byte
 of weights), so with `--trig -1` (wide launches trigger their dependents only at their end), the W = 23
 timeline's phases and a longer hold the probe asks the same question of verify:
 
-    python3 tests/bench/persist_probe.py --stages 2 --act-bytes 12512 --trig -1 --chain --hold-cycles 0 1900 \
-        --phases "prep=4.6;dn=10.4,12.0,7.2;att=11.6,18.9,8.9" --phase-blocks 1 0
+    python3 tests/bench/persist_probe.py --stages 2 --act-bytes 12512 --trig -1 --chain --hold-cycles 0 1650 \
+        --phases "prep=3.6;dn=9.4,11.0,6.2;att=10.6,17.9,7.9" --phase-blocks 1 0
 
-(the wide pipeline's own structure, warp 0 issuing and computing behind a block barrier a stage, is not
-modelled: both forms get the decode pipeline's issuer warp).
+(the phases: what each small launch adds to the W = 23 step in the v24 timeline, less ~1 us, by which the T = 1
+adds exceed the runs; the hold: 1,340 cycles scaled by a unit's instructions at NT = 3, ~308 against ~250. The wide
+pipeline's own structure, warp 0 issuing and computing behind a block barrier a stage, is not modelled: both forms
+get the decode pipeline's issuer warp, and a persistent verify kernel would have to fit NT = 3's products, 127
+registers today, into the persistent block's budget.)
 
 Prints ms a step for: the products as one stream (no dependencies), with the dependencies and no delays
 (boundaries as flags), and with the delays, next to the figures of the launch chain it models.
