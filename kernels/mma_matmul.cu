@@ -725,6 +725,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #ifndef MM_TRIGGER_AHEAD
 #define MM_TRIGGER_AHEAD 12
 #endif
+// Wider batches trigger at the block's end (-1). A distance >= 0 triggers once warp 0 has issued all
+// but that many superblocks of its stripe, for A/Bs (tests/bench/ab_bench.sh): measured in the tenth
+// session, before v23 made a wide stage two bulk copies, triggering at the last issue or 4 before cost
+// verify W = 16-32 0.1-0.6 ms.
+#ifndef MM_WIDE_TRIGGER_AHEAD
+#define MM_WIDE_TRIGGER_AHEAD -1
+#endif
     constexpr int ISSUER = MM_ISSUER(NT);
     constexpr bool SEPARATE = MM_SEPARATE_ISSUER(NT);
     // Wider batches (warp 0 issues and computes): a block barrier per stage, the refill of the
@@ -1001,6 +1008,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
             issue_next();
         }
+        if (MM_WIDE_TRIGGER_AHEAD >= 0 && !SEPARATE && warp == ISSUER && i_f >= f1 - MM_WIDE_TRIGGER_AHEAD)
+            trigger_dependents();
         ST_MARK(st_rec, f - f0, 1);
         mbar_wait(bar_at(full0, k), phase);      // this superblock has landed
         ST_MARK(st_rec, f - f0, 2);

@@ -7,6 +7,9 @@
 #   mkdir -p tests/bench/tmp_ab/main_tree && git archive main kernels daemons protocol router | tar -x -C tests/bench/tmp_ab/main_tree
 # in a folder git ignores, carried to the GPU machine with the run (carry: [".whl", "tests/bench/tmp_ab"]).
 # BENCH_ARGS: more bench options for every run (e.g. "--no-profile --widths 1,23,32": shorter runs).
+# An argument def:NAME=VALUE is this checkout with one kernel define's default changed (the line
+# `#define NAME ...` under its `#ifndef NAME` guard in kernels/, which must be there exactly once), e.g.
+#   tests/bench/ab_bench.sh def:MM_WIDE_TRIGGER_AHEAD=0 def:MM_BARRIER_PIPE=0
 # CONTROL=1 adds an identical copy of this checkout as one more build: in one machine session a build
 # can run ~0.2 ms fast at W=23 for the whole call (GPU_NOTES, fourteenth session), so a lone difference
 # of that size needs the control beside it. At the end, tests/bench/ab_summary.py prints the graph
@@ -18,11 +21,30 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 bench=(python3 -m daemons.cli bench --synthetic qwen35-27b-q4km --device cuda:0 --synthetic-path /tmp/qwen35-27b-q4km.gguf ${BENCH_ARGS:-})
-trees=("$PWD" "$@")
+copy_checkout() {          # a copy of this checkout's build at $1
+    mkdir -p "$1" && tar --exclude=tests/bench/tmp_ab -cf - kernels daemons protocol router tests setup.cfg \
+        | tar -x -C "$1"
+}
+trees=("$PWD")
+for arg in "$@"; do
+    case "$arg" in
+    def:*=*)
+        spec="${arg#def:}"; name="${spec%%=*}"; value="${spec#*=}"
+        tree="$(mktemp -d)/$name=$value"
+        copy_checkout "$tree"
+        hits=$(grep -l -x -E "#define $name .*" "$tree"/kernels/*.cu "$tree"/kernels/*.cuh | wc -l)
+        lines=$(cat "$tree"/kernels/*.cu "$tree"/kernels/*.cuh | grep -c -x -E "#define $name .*")
+        if [ "$hits" != 1 ] || [ "$lines" != 1 ]; then
+            echo "ab_bench: $name is not defined exactly once in kernels/ ($lines definitions)" >&2; exit 2
+        fi
+        sed -i -E "s|^#define $name .*\$|#define $name $value|" "$tree"/kernels/*.cu "$tree"/kernels/*.cuh
+        trees+=("$tree") ;;
+    *) trees+=("$arg") ;;
+    esac
+done
 if [ "${CONTROL:-0}" = 1 ]; then
     control="$(mktemp -d)/control"
-    mkdir -p "$control" && tar --exclude=tests/bench/tmp_ab -cf - kernels daemons protocol router tests setup.cfg \
-        | tar -x -C "$control"
+    copy_checkout "$control"
     trees+=("$control")
 fi
 log="$(mktemp)"
