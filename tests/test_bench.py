@@ -13,6 +13,8 @@ What the tests guard:
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -341,3 +343,31 @@ def test_ab_summary_reads_graph_times_per_build():
     assert ds[:5] == ["tests/bench/tmp_ab/ds", "2", "6.719", "(6.715-6.723)", "+0.095"]
     assert ds[-2:] == ["(10.970-10.970)", "+0.070"]
     assert "no `== TREE`" in table(parse(["decode 140 tok/s\n"]))
+
+
+def test_ab_bench_def_builds_change_one_define_only(tmp_path):
+    """tests/bench/ab_bench.sh def:NAME=VALUE: a copy of the checkout whose kernels differ from it in that
+    define's line alone (an A/B of a knob needs no branch); a name not defined exactly once is refused
+    before anything runs. ROUNDS=0: the builds are made, nothing is benched."""
+    import re
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    script = root / "tests" / "bench" / "ab_bench.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("ROUNDS", "CONTROL")}
+    env["ROUNDS"] = "0"
+    env["TMPDIR"] = str(tmp_path)
+    bad = subprocess.run(["bash", str(script), "def:NO_SUCH_DEFINE=1"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "NO_SUCH_DEFINE is not defined exactly once" in bad.stderr
+    ok = subprocess.run(["bash", str(script), "def:MM_BARRIER_PIPE=0"], cwd=root, env=env, capture_output=True,
+                        text=True, timeout=120)
+    m = re.search(r"^build def:MM_BARRIER_PIPE=0: (\S+)$", ok.stdout, re.M)
+    assert m, ok.stdout + ok.stderr
+    tree = Path(m.group(1))
+    changed = []
+    for src in sorted((root / "kernels").glob("*.cu*")):
+        a = src.read_text().splitlines()
+        b = (tree / "kernels" / src.name).read_text().splitlines()
+        assert len(a) == len(b), src.name
+        changed += [(src.name, x, y) for x, y in zip(a, b) if x != y]
+    assert changed == [("mma_matmul.cu", "#define MM_BARRIER_PIPE 1", "#define MM_BARRIER_PIPE 0")]

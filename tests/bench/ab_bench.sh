@@ -38,6 +38,7 @@ for arg in "$@"; do
             echo "ab_bench: $name is not defined exactly once in kernels/ ($lines definitions)" >&2; exit 2
         fi
         sed -i -E "s|^#define $name .*\$|#define $name $value|" "$tree"/kernels/*.cu "$tree"/kernels/*.cuh
+        echo "build $arg: $tree"
         trees+=("$tree") ;;
     *) trees+=("$arg") ;;
     esac
