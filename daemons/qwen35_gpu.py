@@ -68,6 +68,13 @@ from kernels.fused_gpu import (GDN_CONV_TOKENS, MAX_T, MODE_ADD, MODE_STORE, MOD
 
 __all__ = ["Qwen35GpuStep", "GreedyChain", "GpuVerifyRecord", "step_supported"]
 
+# Benchmarks only (tests/bench/ab_bench.sh def:WIDE_SWIGLU_VARIANT=...): mm_tc variant defines for the
+# gate|up launches of 9..24 rows, e.g. ("MM_GRID=3", "MM_STAGES=3"): three blocks a multiprocessor with a
+# third pipeline stage, which four blocks' shared memory leaves no room for at these widths. Does a deeper
+# ring shorten verify's widest launches? Any value but () gives those launches other stripes than decode's,
+# so verify rows are then no longer decode's bits (the GPU tests fail): never a default.
+WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()
+
 
 def step_supported(model: Any) -> bool:
     """True when `model`'s backend can run the fused step and all its matrices are tensor-core weights."""
@@ -345,7 +352,7 @@ class Qwen35GpuStep:
             ops.append(prep(p + "post_norm", layer.post_norm))
             ops.append(fg.op_mm(p + "mm ffn_gate|up " + layer.ffn_gate.type_name,
                                 [(layer.ffn_gate, None, 0, 0), (layer.ffn_up, None, 0, 0)], self.act_d, T, MODE_SWIGLU,
-                                ws, out_act=self.act_ff))
+                                ws, out_act=self.act_ff, variant=WIDE_SWIGLU_VARIANT if 8 < T <= 24 else ()))
             ops.append(fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, res.add(), 0, d)],
                                 self.act_ff, T, MODE_ADD, ws))
             if il in capture:

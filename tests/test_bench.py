@@ -371,3 +371,23 @@ def test_ab_bench_def_builds_change_one_define_only(tmp_path):
         assert len(a) == len(b), src.name
         changed += [(src.name, x, y) for x, y in zip(a, b) if x != y]
     assert changed == [("mma_matmul.cu", "#define MM_BARRIER_PIPE 1", "#define MM_BARRIER_PIPE 0")]
+
+
+def test_ab_bench_def_builds_set_module_constants(tmp_path):
+    """def:NAME=VALUE also sets a module constant of kernels/ or daemons/ (the step's benchmark-only knobs,
+    e.g. qwen35_gpu.WIDE_SWIGLU_VARIANT), its value taken literally (quotes, parentheses, commas)."""
+    import re
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("ROUNDS", "CONTROL")}
+    env["ROUNDS"] = "0"
+    env["TMPDIR"] = str(tmp_path)
+    value = '("MM_GRID=3", "MM_STAGES=3")'
+    ok = subprocess.run(["bash", str(root / "tests" / "bench" / "ab_bench.sh"), f"def:WIDE_SWIGLU_VARIANT={value}"],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    m = re.search(r"^build def:WIDE_SWIGLU_VARIANT=.*: (\S+)$", ok.stdout, re.M)
+    assert m, ok.stdout + ok.stderr
+    a = (root / "daemons" / "qwen35_gpu.py").read_text().splitlines()
+    b = (Path(m.group(1)) / "daemons" / "qwen35_gpu.py").read_text().splitlines()
+    assert [(x, y) for x, y in zip(a, b) if x != y] == [
+        ("WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()", f"WIDE_SWIGLU_VARIANT: tuple[str, ...] = {value}")]

@@ -119,6 +119,33 @@ def test_prompt_logits_close_to_cpu(models, tmp_path):
     assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
 
 
+@pytest.mark.skipif(emu_unavailable_reason() is not None, reason="needs the emulator")
+def test_wide_swiglu_benchmark_variant_runs_and_keeps_the_arithmetic(tmp_path, monkeypatch):
+    """qwen35_gpu.WIDE_SWIGLU_VARIANT (benchmarks only, set by `ab_bench.sh def:`) reaches the gate|up
+    launches of 9..24 rows: with ("MM_GRID=3", "MM_STAGES=3") they take three pipeline stages (the
+    emulator builds that configuration with the define). The stage count changes no arithmetic, and this
+    small matrix gets the same grid (one stripe a block either way), so the logits keep their bits; on the
+    27B the grid changes, and with it the stripes, which is why the knob is never a default."""
+    from daemons import qwen35_gpu
+    from daemons.qwen35 import Qwen35Model
+    from kernels.fused_gpu import mm_smem_bytes
+    from tests.emu import EmuBackend
+    path = tmp_path / "q4k.gguf"
+    _write(path, "q4_k_m")
+    prompt = _prompt(600, 24, seed=5)
+    base = Qwen35Model.load(path, EmuBackend())
+    ref = base.forward(prompt, base.new_state(64), logits="all")
+    grids = [o.grid for o in base.gpu_step.ops_for(24) if "gate|up" in o.label]
+    monkeypatch.setattr(qwen35_gpu, "WIDE_SWIGLU_VARIANT", ("MM_GRID=3", "MM_STAGES=3"))
+    dev = Qwen35Model.load(path, EmuBackend())
+    got = dev.forward(prompt, dev.new_state(64), logits="all")
+    wide = [o for o in dev.gpu_step.ops_for(24) if "gate|up" in o.label]
+    assert wide and all(o.smem == mm_smem_bytes(12, 24, 3) for o in wide)
+    assert [o.grid for o in wide] == grids
+    assert all(o.smem == mm_smem_bytes(12, 1) for o in dev.gpu_step.ops_for(1) if "gate|up" in o.label)
+    assert np.array_equal(got, ref)
+
+
 def test_float_matrices_of_a_quantised_file_join_the_step(device, tmp_path):
     """A quantised file with some float matrices (F32 gates, a BF16 output projection, an F16 FFN
     down) still runs as the fused step: the floats become F16 units (BF16 exactly, F32 rounded

@@ -7,9 +7,11 @@
 #   mkdir -p tests/bench/tmp_ab/main_tree && git archive main kernels daemons protocol router | tar -x -C tests/bench/tmp_ab/main_tree
 # in a folder git ignores, carried to the GPU machine with the run (carry: [".whl", "tests/bench/tmp_ab"]).
 # BENCH_ARGS: more bench options for every run (e.g. "--no-profile --widths 1,23,32": shorter runs).
-# An argument def:NAME=VALUE is this checkout with one kernel define's default changed (the line
-# `#define NAME ...` under its `#ifndef NAME` guard in kernels/, which must be there exactly once), e.g.
-#   tests/bench/ab_bench.sh def:MM_WIDE_TRIGGER_AHEAD=0 def:MM_BARRIER_PIPE=0
+# An argument def:NAME=VALUE is this checkout with one knob's default changed: a kernel define (the line
+# `#define NAME ...` in kernels/*.cu / *.cuh) or a module constant (`NAME = ...` or `NAME: TYPE = ...` at the
+# start of a line of kernels/*.py or daemons/*.py), which must be there exactly once, e.g.
+#   tests/bench/ab_bench.sh def:MM_WIDE_TRIGGER_AHEAD=0 def:MM_BARRIER_PIPE=0 \
+#       'def:WIDE_SWIGLU_VARIANT=("MM_GRID=3", "MM_STAGES=3")'
 # CONTROL=1 adds an identical copy of this checkout as one more build: in one machine session a build
 # can run ~0.2 ms fast at W=23 for the whole call (GPU_NOTES, fourteenth session), so a lone difference
 # of that size needs the control beside it. At the end, tests/bench/ab_summary.py prints the graph
@@ -30,14 +32,22 @@ for arg in "$@"; do
     case "$arg" in
     def:*=*)
         spec="${arg#def:}"; name="${spec%%=*}"; value="${spec#*=}"
-        tree="$(mktemp -d)/$name=$value"
+        tree="$(mktemp -d)/$(printf '%s' "$name=$value" | tr -c 'A-Za-z0-9_=.,+-' '_')"
         copy_checkout "$tree"
-        hits=$(grep -l -x -E "#define $name .*" "$tree"/kernels/*.cu "$tree"/kernels/*.cuh | wc -l)
-        lines=$(cat "$tree"/kernels/*.cu "$tree"/kernels/*.cuh | grep -c -x -E "#define $name .*")
-        if [ "$hits" != 1 ] || [ "$lines" != 1 ]; then
-            echo "ab_bench: $name is not defined exactly once in kernels/ ($lines definitions)" >&2; exit 2
+        cu=("$tree"/kernels/*.cu "$tree"/kernels/*.cuh)
+        py=("$tree"/kernels/*.py "$tree"/daemons/*.py)
+        n_cu=$(cat "${cu[@]}" | grep -c -x -E "#define $name .*")
+        n_py=$(cat "${py[@]}" | grep -c -E "^$name(: [^=]*)? = ")
+        if [ $((n_cu + n_py)) != 1 ]; then
+            echo "ab_bench: $name is not defined exactly once in kernels/ and daemons/ ($((n_cu + n_py)) definitions)" >&2
+            exit 2
         fi
-        sed -i -E "s|^#define $name .*\$|#define $name $value|" "$tree"/kernels/*.cu "$tree"/kernels/*.cuh
+        esc=$(printf '%s' "$value" | sed -e 's/[\\|&]/\\&/g')     # sed's replacement: \ | & literal
+        if [ "$n_cu" = 1 ]; then
+            sed -i -E "s|^#define $name .*\$|#define $name $esc|" "${cu[@]}"
+        else
+            sed -i -E "s|^($name(: [^=]*)?) = .*\$|\1 = $esc|" "${py[@]}"
+        fi
         echo "build $arg: $tree"
         trees+=("$tree") ;;
     *) trees+=("$arg") ;;

@@ -179,12 +179,14 @@ class EmuDevice:
     # -- the interface kernels.fused_gpu.FusedGpu uses --------------------------------------------
     def _kernel(self, source: str, name: str, defines: tuple[str, ...] = ()) -> _EmuKernel:
         if source == "mma_matmul.cu" and defines:
-            d = dict(x.split("=") for x in defines)
+            d = dict(x.split("=", 1) for x in defines)
             cfg = (int(d["MM_QT"]), int(d.get("MM_QT2", 0)), int(d["MM_NT"]), int(d["MM_MODE"]))
-            if ((cfg[0], cfg[2], cfg[3]) not in MM_CONFIGS or len(d) != 3 + ("MM_QT2" in d)
+            # a benchmark's variant defines (MM_STAGES=3, ...): a build of this one configuration with them
+            variant = tuple(x for x in defines if x.split("=", 1)[0] not in ("MM_QT", "MM_QT2", "MM_NT", "MM_MODE"))
+            if ((cfg[0], cfg[2], cfg[3]) not in MM_CONFIGS
                     or (cfg[1] and (cfg[1] not in MM_TYPES or cfg[3] == 2))):
                 raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
-            lib = self._library("mma_matmul.cu", cfg if cfg[1] else None)
+            lib = self._library("mma_matmul.cu", cfg if (cfg[1] or variant) else None, variant)
             return lib.kernel("mm_tc__{}_{}_{}_{}".format(*cfg))
         if defines:
             raise RuntimeError(f"emulator: {source} with defines {defines} is not built")
@@ -203,15 +205,16 @@ class EmuDevice:
         pass
 
     # -- builds ---------------------------------------------------------------------------------
-    def _library(self, source: str, mm_pair: tuple[int, int, int, int] | None = None) -> _Library:
+    def _library(self, source: str, mm_pair: tuple[int, int, int, int] | None = None,
+                 variant: tuple[str, ...] = ()) -> _Library:
         """source's emulated build (mma_matmul.cu: every MM_CONFIGS instantiation, or only the
-        two-type launch mm_pair = (qtype, qtype2, NT, mode))."""
+        launch mm_pair = (qtype, qtype2 or 0, NT, mode), compiled with the variant's NAME=VALUE defines)."""
         with self._lock:
-            key = source if mm_pair is None else f"{source}:{mm_pair}"
+            key = source if mm_pair is None else f"{source}:{mm_pair}:{variant}"
             lib = self._libs.get(key)
             if lib is None:
                 code = _inline_includes((KERNELS / source).read_text())
-                body = ['#include "emu.cpp"', code]
+                body = ['#include "emu.cpp"'] + ["#define {} {}".format(*v.split("=", 1)) for v in variant] + [code]
                 if source == "mma_matmul.cu":
                     configs = [mm_pair] if mm_pair else [(qt, 0, nt, mode) for qt, nt, mode in MM_CONFIGS]
                     for qt, qt2, nt, mode in configs:
@@ -225,6 +228,8 @@ class EmuDevice:
                 names = _kernel_names(_preprocess("\n".join(body)))
                 body += [f"EMU_EXPORT({n})" for n in names]
                 stem = source.replace(".", "_") + ("" if mm_pair is None else "_{}_{}_{}_{}".format(*mm_pair))
+                if variant:
+                    stem += "_" + hashlib.sha1(repr(variant).encode()).hexdigest()[:8]
                 path = _build(stem, "\n".join(body))
                 lib = self._libs[key] = _Library(path)
                 lib.reverse_blocks = getattr(self, "_reverse_blocks", False)
