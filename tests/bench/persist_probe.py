@@ -490,19 +490,26 @@ def main() -> None:
                 times.append(cp.cuda.get_elapsed_time(e0, e1))
         return min(times), float(np.median(times))
 
+    def fill_smem(kern, threads: int, need: int) -> int:
+        """Dynamic shared memory (>= need) with which exactly --blocks-per-sm blocks of kern fit a
+        multiprocessor, as mm_tc's registers make four fit and no more: a grid of that many a
+        multiprocessor is then spread evenly, and nothing else starts beside them."""
+        sm_smem = dev.attributes.get("MaxSharedMemoryPerMultiprocessor", 233472)
+        dyn = sm_smem // args.blocks_per_sm - 2 * 32 * 8 - 1024    # the barriers; 1 KB a block is the driver's
+        kern.max_dynamic_shared_size_bytes = dyn
+        while dyn >= need and resident(kern, threads, dyn) < args.blocks_per_sm:
+            dyn -= 1024
+        if dyn < need or resident(kern, threads, dyn) != args.blocks_per_sm:
+            raise ValueError(f"cannot hold exactly {args.blocks_per_sm} blocks of {need} bytes a multiprocessor")
+        return dyn
+
     def chain_ms(ns: int, with_chains: bool, hold: int, nb: int) -> tuple[float, float]:
         """(min, median) ms of the step as a captured chain of launches with PDL (--chain)."""
         from kernels.cuda_backend import CudaBackend
         from kernels.fused_gpu import Op
         be = CudaBackend()
         kp, ks = mod.get_function("chain_prod"), mod.get_function("chain_small")
-        sm_smem = dev.attributes.get("MaxSharedMemoryPerMultiprocessor", 233472)
-        dyn = sm_smem // args.blocks_per_sm - 2 * 32 * 8 - 1024    # the barriers; 1 KB a block is the driver's
-        kp.max_dynamic_shared_size_bytes = dyn
-        while dyn >= slot * ns and resident(kp, 160, dyn) < args.blocks_per_sm:
-            dyn -= 1024
-        if dyn < slot * ns or resident(kp, 160, dyn) != args.blocks_per_sm:
-            raise ValueError(f"cannot hold exactly {args.blocks_per_sm} product blocks of {ns} stages a multiprocessor")
+        dyn = fill_smem(kp, 160, slot * ns)
         small_smem = 8192                    # cannot start beside four product blocks
         grid = args.blocks_per_sm * n_sm
         sink = cp.zeros(grid, dtype=cp.uint32)
@@ -544,11 +551,20 @@ def main() -> None:
         elif args.chain:
             lo, med = chain_ms(ns, False, hold, 1)
             print(f"stage {args.stage} B x {ns}: {'launch chain, products only':38s} {lo:6.3f} ms (median {med:.3f})")
-            for nb in phase_blocks:
+            # the persistent kernel padded like the chain's product blocks: exactly --blocks-per-sm a
+            # multiprocessor (with less shared memory more fit, and the grid may then land unevenly)
+            try:
+                smem_fill = fill_smem(k, threads, smem)
+            except ValueError as e:
+                print(f"stage {args.stage} B x {ns}: no persistent form with phases ({e})")
+                phase_blocks_run = []
+            else:
+                phase_blocks_run = phase_blocks
+            for nb in phase_blocks_run:
                 lo, med = best_ms(lambda: k((grid,), (threads,), (
                     w, off_d, np.int32(n), delays0, np.int32(2), np.int32(args.stage), np.int32(ns),
                     np.int32(args.groups), np.int64(hold), count, flag, t_done, sink, ph, pflag, pcount,
-                    np.int32(min(nb, grid)), np.int32(ab), act), shared_mem=smem), pflag, pcount)
+                    np.int32(min(nb, grid)), np.int32(ab), act), shared_mem=smem_fill), pflag, pcount)
                 label = f"dependencies, phases as flags ({nb} bl.)"
                 print(f"stage {args.stage} B x {ns}: {label:38s} {lo:6.3f} ms (median {med:.3f})")
                 lo, med = chain_ms(ns, True, hold, nb)
