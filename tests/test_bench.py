@@ -391,3 +391,81 @@ def test_ab_bench_def_builds_set_module_constants(tmp_path):
     b = (Path(m.group(1)) / "daemons" / "qwen35_gpu.py").read_text().splitlines()
     assert [(x, y) for x, y in zip(a, b) if x != y] == [
         ("WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()", f"WIDE_SWIGLU_VARIANT: tuple[str, ...] = {value}")]
+
+
+_FAKE_CUPY = '''
+"""A stand-in for cupy with which persist_probe.py's host code runs to its end (nothing is timed)."""
+import types
+import numpy as np
+launches = []
+zeros = lambda n, dtype=np.uint8: np.zeros(n, dtype=dtype)
+asarray = np.asarray
+uint8, uint32, uint64, int64, int32 = np.uint8, np.uint32, np.uint64, np.int64, np.int32
+class _Fn:
+    def __init__(self, name):
+        self.name, self.kernel, self.max_dynamic_shared_size_bytes = name, types.SimpleNamespace(ptr=1), 0
+    def __call__(self, grid, block, args, shared_mem=0):
+        launches.append((self.name, grid[0], block[0], shared_mem))
+class RawModule:
+    def __init__(self, code, options=()):
+        self.code = code
+    def get_function(self, name):
+        assert ("void __launch_bounds__(160) " + name) in self.code or ("void " + name) in self.code, name
+        return _Fn(name)
+class _Dev:
+    attributes = {"MultiProcessorCount": 132, "ClockRate": 1980000, "MaxSharedMemoryPerMultiprocessor": 233472}
+class _Event:
+    record = synchronize = lambda self: None
+cuda = types.SimpleNamespace(Device=_Dev, Event=_Event, get_elapsed_time=lambda a, b: 1.0)
+'''
+
+_FAKE_RUN = '''
+import ctypes, runpy, sys
+class _Occupancy:     # what fits a multiprocessor: 2048 threads, 228 KB of shared memory (+1 KB a block)
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, out, fn, threads, smem):
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = min(2048 // threads.value,
+                                                                233472 // (smem.value + 512 + 1024))
+        return 0
+_cdll = ctypes.CDLL
+ctypes.CDLL = lambda name, *a, **k: _Occupancy() if name == "libcuda.so.1" else _cdll(name, *a, **k)
+import kernels.cuda_backend as cb
+class _Backend:
+    pdl_used, pdl_error = True, None
+    capture_graph = lambda self, ops: ops
+    launch_graph = lambda self, ops: [op.kernel(op.grid, op.block, op.args, shared_mem=op.smem) for op in ops]
+    busy_wait = lambda self, s: None
+cb.CudaBackend = _Backend
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+import cupy
+print("LAUNCHES", sorted({(n, g, b, s) for n, g, b, s in cupy.launches}))
+'''
+
+
+@pytest.mark.parametrize("argv", [
+    "--stages 3 --chain --hold-cycles 0 1340 --phase-blocks 1 0",
+    "--stages 2 --act-bytes 12512 --trig -1 --chain --phases prep=3.6;dn=9.4,11.0,6.2;att=10.6,17.9,7.9 --phase-blocks 0",
+])
+def test_persist_probe_host_code_runs_to_its_end(tmp_path, argv):
+    """tests/bench/persist_probe.py runs only on a GPU, where a Python slip costs a device call: its host code
+    is run here against a stand-in for cupy, the driver's occupancy call and the graph backend. The launches
+    it makes: the chain's product blocks and the padded persistent kernel hold exactly four blocks a
+    multiprocessor (their shared memory fills it), and a phase's launch has the grid --phase-blocks asks."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(_FAKE_CUPY)
+    (tmp_path / "run.py").write_text(_FAKE_RUN)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{root}")
+    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(root / "tests" / "bench" / "persist_probe.py"),
+                           *argv.split(), "--reps", "1"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    import ast
+    launches = ast.literal_eval(proc.stdout.split("LAUNCHES", 1)[1].strip())
+    prod = {s for n, g, b, s in launches if n == "chain_prod"}
+    padded = {s for n, g, b, s in launches if n == "persist" and s in prod}
+    assert len(prod) == 1 and padded == prod and 233472 // (prod.pop() + 512 + 1024) == 4
+    assert {g for n, g, b, s in launches if n in ("chain_prod", "persist")} == {528}
+    want = {1, 132} if "--phase-blocks 1 0" in argv else {132}
+    assert {g for n, g, b, s in launches if n == "chain_small"} == want
