@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One batched GPU-machine session: install the carried wheels, run the GPU tests and the 27B bench,
 # leaving logs in $OUT (the device tool's output folder; ./out when run by hand).
-#   tests/bench/gpu_session.sh [tests|bench|all] [pytest args...]
+#   tests/bench/gpu_session.sh [tests|bench|all|persist] [pytest args...]
+# persist: tests/bench/persist_probe.py's decode and verify questions (GPU_NOTES, thirty-fourth and
+# thirty-fifth sessions), ~2-4 minutes; needs only the gguf wheel.
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -20,4 +22,11 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout "${BENCH_TIMEOUT:-300}" python3 -m daemons.cli bench --synthetic qwen35-27b-q4km --device cuda:0 \
         --synthetic-path /tmp/qwen35-27b-q4km.gguf --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [ "$what" = persist ]; then
+    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/persist_probe.py --stages 3 --chain --hold-cycles 0 1340 \
+        --phase-blocks 1 0 2>&1 | tee "$OUT/persist_decode.log"
+    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/persist_probe.py --stages 2 --act-bytes 12512 --trig -1 --chain \
+        --hold-cycles 0 1650 --phases "prep=3.6;dn=9.4,11.0,6.2;att=10.6,17.9,7.9" --phase-blocks 1 0 2>&1 \
+        | tee "$OUT/persist_verify.log"
 fi
