@@ -31,7 +31,8 @@ CXX = os.environ.get("CXX", "g++")
 __all__ = ["EmuDevice", "emu_unavailable_reason", "MM_CONFIGS"]
 
 # The mma_matmul.cu instantiations the emulated library holds: (qtype, NT, mode). A launch of two types
-# (mm_tc_parts, MM_QT2) is built on its first use, as a library of its own.
+# (mm_tc_parts, MM_QT2), or one with a benchmark's variant defines (MM_STAGES=3, ...), is built on its
+# first use, as a library of its own.
 MM_CONFIGS = tuple((qt, nt, mode) for qt in (1, 8, 12, 13, 14, 23) for nt in (1, 2, 3, 4) for mode in (0, 1, 2))
 MM_TYPES = frozenset(qt for qt, _, _ in MM_CONFIGS)
 
