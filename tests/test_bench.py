@@ -345,52 +345,52 @@ def test_ab_summary_reads_graph_times_per_build():
     assert "no `== TREE`" in table(parse(["decode 140 tok/s\n"]))
 
 
-def test_ab_bench_def_builds_change_one_define_only(tmp_path):
-    """tests/bench/ab_bench.sh def:NAME=VALUE: a copy of the checkout whose kernels differ from it in that
-    define's line alone (an A/B of a knob needs no branch); a name not defined exactly once is refused
-    before anything runs. ROUNDS=0: the builds are made, nothing is benched."""
+def _ab_bench_builds(tmp_path, *args):
+    """Runs tests/bench/ab_bench.sh with ROUNDS=0 (its builds are made, nothing is benched): (the process,
+    {argument: build tree} from its `build ARG: TREE` lines)."""
     import re
     import subprocess
     root = Path(__file__).resolve().parents[1]
-    script = root / "tests" / "bench" / "ab_bench.sh"
     env = {k: v for k, v in os.environ.items() if k not in ("ROUNDS", "CONTROL")}
-    env["ROUNDS"] = "0"
-    env["TMPDIR"] = str(tmp_path)
-    bad = subprocess.run(["bash", str(script), "def:NO_SUCH_DEFINE=1"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode == 2 and "NO_SUCH_DEFINE is not defined exactly once" in bad.stderr
-    ok = subprocess.run(["bash", str(script), "def:MM_BARRIER_PIPE=0"], cwd=root, env=env, capture_output=True,
-                        text=True, timeout=120)
-    m = re.search(r"^build def:MM_BARRIER_PIPE=0: (\S+)$", ok.stdout, re.M)
-    assert m, ok.stdout + ok.stderr
-    tree = Path(m.group(1))
+    env.update(ROUNDS="0", TMPDIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(root / "tests" / "bench" / "ab_bench.sh"), *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc, {m.group(1): Path(m.group(2)) for m in re.finditer(r"^build (.*): (\S+)$", proc.stdout, re.M)}
+
+
+def _changed_lines(tree, rel: str, pattern: str) -> list:
+    """(file, checkout's line, tree's line) for every line of the checkout's rel/pattern files that tree changed."""
+    root = Path(__file__).resolve().parents[1]
     changed = []
-    for src in sorted((root / "kernels").glob("*.cu*")):
-        a = src.read_text().splitlines()
-        b = (tree / "kernels" / src.name).read_text().splitlines()
+    for src in sorted((root / rel).glob(pattern)):
+        a, b = src.read_text().splitlines(), (tree / rel / src.name).read_text().splitlines()
         assert len(a) == len(b), src.name
         changed += [(src.name, x, y) for x, y in zip(a, b) if x != y]
-    assert changed == [("mma_matmul.cu", "#define MM_BARRIER_PIPE 1", "#define MM_BARRIER_PIPE 0")]
+    return changed
+
+
+def test_ab_bench_def_builds_change_one_define_only(tmp_path):
+    """tests/bench/ab_bench.sh def:NAME=VALUE: a copy of the checkout whose kernels differ from it in that
+    define's line alone (an A/B of a knob needs no branch); a name not defined exactly once is refused
+    before anything runs."""
+    bad, _ = _ab_bench_builds(tmp_path, "def:NO_SUCH_DEFINE=1")
+    assert bad.returncode == 2 and "NO_SUCH_DEFINE is not defined exactly once" in bad.stderr
+    proc, builds = _ab_bench_builds(tmp_path, "def:MM_BARRIER_PIPE=0")
+    tree = builds.get("def:MM_BARRIER_PIPE=0")
+    assert tree, proc.stdout + proc.stderr
+    assert _changed_lines(tree, "kernels", "*.cu*") == [
+        ("mma_matmul.cu", "#define MM_BARRIER_PIPE 1", "#define MM_BARRIER_PIPE 0")]
 
 
 def test_ab_bench_def_builds_set_module_constants(tmp_path):
     """def:NAME=VALUE also sets a module constant of kernels/ or daemons/ (the step's benchmark-only knobs,
     e.g. qwen35_gpu.WIDE_SWIGLU_VARIANT), its value taken literally (quotes, parentheses, commas)."""
-    import re
-    import subprocess
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("ROUNDS", "CONTROL")}
-    env["ROUNDS"] = "0"
-    env["TMPDIR"] = str(tmp_path)
     value = '("MM_GRID=3", "MM_STAGES=3")'
-    ok = subprocess.run(["bash", str(root / "tests" / "bench" / "ab_bench.sh"), f"def:WIDE_SWIGLU_VARIANT={value}"],
-                        cwd=root, env=env, capture_output=True, text=True, timeout=120)
-    m = re.search(r"^build def:WIDE_SWIGLU_VARIANT=.*: (\S+)$", ok.stdout, re.M)
-    assert m, ok.stdout + ok.stderr
-    a = (root / "daemons" / "qwen35_gpu.py").read_text().splitlines()
-    b = (Path(m.group(1)) / "daemons" / "qwen35_gpu.py").read_text().splitlines()
-    assert [(x, y) for x, y in zip(a, b) if x != y] == [
-        ("WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()", f"WIDE_SWIGLU_VARIANT: tuple[str, ...] = {value}")]
+    proc, builds = _ab_bench_builds(tmp_path, f"def:WIDE_SWIGLU_VARIANT={value}")
+    tree = builds.get(f"def:WIDE_SWIGLU_VARIANT={value}")
+    assert tree, proc.stdout + proc.stderr
+    assert _changed_lines(tree, "daemons", "*.py") == [
+        ("qwen35_gpu.py", "WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()", f"WIDE_SWIGLU_VARIANT: tuple[str, ...] = {value}")]
 
 
 _FAKE_CUPY = '''
