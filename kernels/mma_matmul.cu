@@ -454,14 +454,15 @@ template <int QT> struct MmGeom {
     }
 };
 
-// Per-stage trace of decode-width launches, for benchmarks only (tests/bench/stage_trace_gpu.py
-// builds with -DMM_STAGE_TRACE; every other build compiles the marks to nothing). Why: inside the
-// step's graph a T = 1 product runs at ~2.5 TB/s where its copies alone would run near the copy
-// rate, and neither its arithmetic nor a stage's hold time explains the gap (GPU_NOTES,
-// nineteenth session); this records, for a few blocks of every launch, when each stage's copy was
+// Per-stage trace, for benchmarks only (tests/bench/stage_trace_gpu.py builds with -DMM_STAGE_TRACE;
+// every other build compiles the marks to nothing). Why: inside the step's graph a T = 1 product
+// runs at ~2.5 TB/s where its copies alone would run near the copy rate, and neither its arithmetic
+// nor a stage's hold time explains the gap (GPU_NOTES, nineteenth session); at T = 23 the products
+// cost ~2.7 ms of the verify step over their copies alone (twenty-eighth) with one stage in flight
+// behind the one computed. This records, for a few blocks of every launch, when each stage's copy was
 // issued, when computing warp 0 began waiting for it, when it passed the wait and when it released
 // the stage (%clock of the block's multiprocessor), so the same launch can be compared in the
-// graph and alone.
+// graph and alone, and a wide launch's waits read against its holds.
 #if defined(MM_STAGE_TRACE) && !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
 #ifndef ST_SLOTS                     // (stage_trace_gpu.py --all-blocks sets all three)
 #define ST_SLOTS 512                 // launches, by grid id
@@ -693,8 +694,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int W = n_rb * n_sb;
     const int f0 = (int)((long long)bid * W / Gn), f1 = (int)((long long)(bid + 1) * W / Gn);
 #if ST_ON
-    unsigned* st_rec = (NT == 1 && tid == 0) ? st_record() : nullptr;        // thread 0: computing warp 0's lane 0
-    unsigned* st_iss = (NT == 1 && warp == MM_ISSUER(NT) && lane == 0) ? st_record() : nullptr;
+    // Thread 0 (computing warp 0's lane 0) records the waits and releases, the issuer warp's lane 0 the
+    // issues; at T > 8 warp 0 is both, and one pointer serves (a second one spilled at NT = 3).
+    unsigned* st_rec = tid == 0 ? st_record() : nullptr;
+    unsigned* st_iss = !MM_SEPARATE_ISSUER(NT) ? st_rec : ((warp == MM_ISSUER(NT) && lane == 0) ? st_record() : nullptr);
     if (st_rec) {
         unsigned long long g;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));

@@ -251,6 +251,34 @@ def test_timeline_breakdown_sums_to_the_step():
     assert run.tolist() == [5, 14, 5, 13, 5]
     assert early.tolist() == [0, 4, 6, 11, 0]
 
+def test_stage_trace_table_reads_waits_holds_and_the_time_between_stages(capsys):
+    """tests/bench/stage_trace_gpu.py turns a block's recorded clocks into a stage's wait, hold and
+    the time from its release to the next stage's wait (at T > 8 the block barrier and the issue of
+    the next copy sit there): one device call of a wide trace must not be lost to a slip in the
+    arithmetic. A record at 1 GHz (the clock count equals the %globaltimer span): stage i issued at
+    1000 i + 700, waited for from 1000 i + 1000, passed 100 cycles later, released 500 after that."""
+    import importlib.util
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("stage_trace_gpu", root / "tests" / "bench" / "stage_trace_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    n = 5
+    rec = np.zeros(mod.ST_REC + 1, dtype=np.uint32)          # + the block index _records appends
+    rec[:mod.ST_HEAD] = [7, 0, 500, 7000, n, 2, 0, 7000, 6500, 3]
+    for i in range(n):
+        b = 1000 + 1000 * i
+        rec[mod.ST_HEAD + 4 * i:mod.ST_HEAD + 4 * i + 4] = [b - 300, b, b + 100, b + 600]
+    mod.summarise("synthetic", rec[None, :])
+    out = capsys.readouterr().out
+    sums = re.search(r"sums: wait ([\d.]+) us, hold ([\d.]+) us, between ([\d.]+) us over (\d+) stages", out)
+    assert sums, out
+    assert [float(x) for x in sums.groups()] == [0.5, 2.5, 1.6, 5.0]       # 4 gaps of 0.4 us between 5 stages
+    assert "stripes of 5 stages, 2 in flight, clock 1.00 GHz" in out
+    # issue to pass 400 cycles; release of stage i (1000 i + 1600) to the issue of i + 2 (1000 i + 2700)
+    assert re.search(r"mean issue->pass 0\.40 us, refill 1\.10 us", out), out
+
 
 def test_short_prompts_time_both_paths_and_restore_the_switch(tmp_path):
     """`--short-prompts` (GPU): each prompt runs as steps and as one wide forward by moving the

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One batched GPU-machine session: install the carried wheels, run the GPU tests and the 27B bench,
 # leaving logs in $OUT (the device tool's output folder; ./out when run by hand).
-#   tests/bench/gpu_session.sh [tests|bench|all|persist] [pytest args...]
+#   tests/bench/gpu_session.sh [tests|bench|all|persist|trace] [pytest args...]
 # persist: tests/bench/persist_probe.py's decode and verify questions (GPU_NOTES, thirty-fourth and
 # thirty-fifth sessions), ~2-4 minutes; needs only the gguf wheel.
+# trace: the stages of verify W=23's gate|up and ffn_down launches (tests/bench/stage_trace_gpu.py
+# --width 23; GPU_NOTES, thirty-sixth session), ~2-3 minutes with the 27B file already written.
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -29,4 +31,10 @@ if [ "$what" = persist ]; then
     timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/persist_probe.py --stages 2 --act-bytes 12512 --trig -1 --chain \
         --hold-cycles 0 1650 --phases "prep=3.6;dn=9.4,11.0,6.2;att=10.6,17.9,7.9" --phase-blocks 1 0 2>&1 \
         | tee "$OUT/persist_verify.log"
+fi
+if [ "$what" = trace ]; then
+    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 2>&1 \
+        | tee "$OUT/trace_w23.log"
+    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 --launch ffn_down 2>&1 \
+        | tee "$OUT/trace_w23_ffn_down.log"
 fi

@@ -2,7 +2,13 @@
 (issue 8: the T = 1 products run at ~2.5 TB/s in the graph; GPU_NOTES, nineteenth session).
 
     python3 tests/bench/stage_trace_gpu.py [--reps 4] [--path /tmp/qwen35-27b-q4km.gguf]
-        [--variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1] [--all-blocks] [--launch ffn_down]
+        [--variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1] [--all-blocks] [--launch ffn_down] [--width 23]
+
+--width W traces the verify step of W tokens instead of the decode step (its launches of ceil(W / 8)
+column tiles; gate|up alone then at T = W too). At T > 8 computing warp 0 also issues the copies,
+behind a block barrier a stage, with one stage in flight behind the one computed (two stages fit
+four blocks a multiprocessor): a wait near 0 beside a long hold says the wide product computes,
+a long wait that it waits for its copies (GPU_NOTES, thirty-sixth session).
 
 --launch traces the decode graph's launches whose label holds that text instead of gate|up's, one table
 per weight type (ffn_down: its Q4_K and its Q6_K launches, the same shape and stage count, side by side:
@@ -12,7 +18,7 @@ GPU_NOTES, twenty-ninth session), and skips the launch alone.
 the slow ones sit: by multiprocessor, by a block's arrival rank on its multiprocessor, by its place
 in the grid (GPU_NOTES, twenty-second session: the rank decides, the multiprocessor hardly).
 
-Every mm_tc launch is built with -DMM_STAGE_TRACE (kernels/mma_matmul.cu): 8 blocks of each T = 1
+Every mm_tc launch is built with -DMM_STAGE_TRACE (kernels/mma_matmul.cu): 8 blocks of each
 launch record, in their multiprocessor's clock, when each stage's copy was issued (the issuer warp),
 when computing warp 0 began waiting for it, passed that wait and released the stage, and when the
 block passed its dependency wait and ended. The gate|up launches (Q4_K SwiGLU) of a replayed decode
@@ -27,6 +33,8 @@ themselves measure against %globaltimer):
   hold          from passing the wait to releasing the stage (warp 0's reads of it)
   refill        from warp 0's release to the issue of the stage's next copy (the other three
                 warps' releases and the issuer's own turn)
+  between       from warp 0's release to its wait for the next stage (its min term and scaling;
+                at T > 8 also the block barrier and its issue of the next copy)
 and per block: dep wait (entry to the dependency wait passed), run (that to the block's end).
 """
 from __future__ import annotations
@@ -166,18 +174,19 @@ def summarise(title: str, recs: np.ndarray, rep: np.ndarray | None = None) -> No
     loop = us(d(r[:, 8], r[:, 2]).astype(float))
     print(f"   stage loops p10/p50/p90/max {np.percentile(loop, 10):.2f} / {np.percentile(loop, 50):.2f} / "
           f"{np.percentile(loop, 90):.2f} / {np.max(loop):.2f} us")
-    print(f"   {'stage':>5s} {'issue->pass':>11s} {'wait':>7s} {'hold':>7s} {'refill':>7s}   (us)")
+    print(f"   {'stage':>5s} {'issue->pass':>11s} {'wait':>7s} {'hold':>7s} {'refill':>7s} {'between':>7s}   (us)")
     n = min(n_st, ST_STAGES)
-    tot = np.zeros(4)
+    tot = np.zeros(5)
     for i in range(n):
         lat = us(np.mean(d(ev[:, i, 2], ev[:, i, 0])))
         wait = us(np.mean(d(ev[:, i, 2], ev[:, i, 1])))
         hold = us(np.mean(d(ev[:, i, 3], ev[:, i, 2])))
         refill = us(np.mean(d(ev[:, i + depth, 0], ev[:, i, 3]))) if i + depth < n else float("nan")
-        tot += (lat, wait, hold, 0 if np.isnan(refill) else refill)
+        between = us(np.mean(d(ev[:, i + 1, 1], ev[:, i, 3]))) if i + 1 < n else float("nan")
+        tot += (lat, wait, hold, 0 if np.isnan(refill) else refill, 0 if np.isnan(between) else between)
         if i < 6 or i >= n - 3 or i % 4 == 0:
-            print(f"   {i:5d} {lat:11.2f} {wait:7.2f} {hold:7.2f} {refill:7.2f}")
-    print(f"   sums: wait {tot[1]:.2f} us, hold {tot[2]:.2f} us over {n} stages; "
+            print(f"   {i:5d} {lat:11.2f} {wait:7.2f} {hold:7.2f} {refill:7.2f} {between:7.2f}")
+    print(f"   sums: wait {tot[1]:.2f} us, hold {tot[2]:.2f} us, between {tot[4]:.2f} us over {n} stages; "
           f"mean issue->pass {tot[0] / n:.2f} us, refill {tot[3] / max(n - depth, 1):.2f} us")
     # Across the traced blocks of one launch (%globaltimer, ns): how far apart they start and end,
     # and the spread of their runs (dependency wait passed to end, own clock).
@@ -207,7 +216,15 @@ def main() -> None:
                     help="trace every block's first stages and print where the slow blocks sit")
     ap.add_argument("--launch", default=None,
                     help="trace the decode graph's launches whose label holds this text (one table per weight type)")
+    ap.add_argument("--width", type=int, default=1,
+                    help="the step's tokens: 1 = the decode step, more = the verify step of that many (1..32)")
     args = ap.parse_args()
+    if not 1 <= args.width <= fused_gpu.MAX_T:
+        ap.error(f"--width must be 1..{fused_gpu.MAX_T}")
+    T = args.width
+    nt = f"MM_NT={-(-T // 8)}"
+    graph = "the decode graph" if T == 1 else f"the verify graph (W={T})"
+    mode, logits = ("advance", "last") if T == 1 else ("verify", "all")
     extra = tuple(v for v in args.variant.split(",") if v)
     if args.all_blocks:
         global ST_SLOTS, ST_BLOCKS, ST_STAGES, ST_REC
@@ -232,8 +249,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     context = model.new_state(256 + 40)
     model.prefill(rng.integers(0, model.n_vocab, 256).tolist(), context, logits="last")
-    step.ops_for(1, "advance", "last", n_keys=context.n_past + 1)          # builds the step's plan
-    key = step.plan_key(1, "advance", "last", context.n_past + 1)
+    step.ops_for(T, mode, logits, n_keys=context.n_past + T)               # builds the step's plan
+    key = step.plan_key(T, mode, logits, context.n_past + T)
     state = context.copy()
     step._bind(state)
     for _ in range(2):
@@ -241,7 +258,7 @@ def main() -> None:
         step._launch(key, None)
     _sync(b)
     if args.launch is not None:
-        pairs = _tables(cp, ("MM_NT=1", TRACE), with_defines=True)
+        pairs = _tables(cp, (nt, TRACE), with_defines=True)
         recs = {d: [] for d, _ in pairs}
         for _ in range(args.reps):
             state.copy_from(context)
@@ -255,9 +272,9 @@ def main() -> None:
         for d, rs in recs.items():
             rep = np.concatenate([np.full(len(x), i) for i, x in enumerate(rs)])
             kind = " ".join(x for x in d if x.startswith(("MM_QT", "MM_MODE")))
-            summarise(f"'{args.launch}' T=1 in the decode graph ({kind}) {' '.join(extra)}", np.concatenate(rs), rep)
+            summarise(f"'{args.launch}' T={T} in {graph} ({kind}) {' '.join(extra)}", np.concatenate(rs), rep)
         return
-    want = ("MM_QT=12", "MM_NT=1", "MM_MODE=2", TRACE)
+    want = ("MM_QT=12", nt, "MM_MODE=2", TRACE)
     tables = _tables(cp, want)
     recs = []
     for _ in range(args.reps):
@@ -270,9 +287,9 @@ def main() -> None:
         recs.append(_records(cp, tables))
     rep = np.concatenate([np.full(len(x), i) for i, x in enumerate(recs)])
     if args.all_blocks:
-        per_sm("gate|up T=1 in the decode graph, every block", np.concatenate(recs), rep)
+        per_sm(f"gate|up T={T} in {graph}, every block", np.concatenate(recs), rep)
         return
-    summarise(f"gate|up T=1 in the decode graph {' '.join(extra)}", np.concatenate(recs), rep)
+    summarise(f"gate|up T={T} in {graph} {' '.join(extra)}", np.concatenate(recs), rep)
 
     # The same shape alone: 20 launches back to back (tests/bench/bench_mm_gpu.py's case).
     fg = fused_gpu.FusedGpu(b)
@@ -285,7 +302,7 @@ def main() -> None:
     out_act = fused_gpu.ActBuffer(cp, n_out)
     need_f, need_c = fg.workspace_need(ws_, fused_gpu.MODE_SWIGLU)
     ws = fused_gpu.MmWorkspace(cp, need_f, need_c)
-    op = fg.op_mm("gate|up", [(w, None, 0, n_out) for w in ws_], act, 1, fused_gpu.MODE_SWIGLU, ws, out_act=out_act)
+    op = fg.op_mm("gate|up", [(w, None, 0, n_out) for w in ws_], act, T, fused_gpu.MODE_SWIGLU, ws, out_act=out_act)
     for _ in range(3):
         op()
     _sync(b)
@@ -296,7 +313,7 @@ def main() -> None:
     for _ in range(20):
         op()
     _sync(b)
-    summarise(f"gate|up T=1 alone, 20 launches back to back {' '.join(extra)}", _records(cp, tables))
+    summarise(f"gate|up T={T} alone, 20 launches back to back {' '.join(extra)}", _records(cp, tables))
 
 
 if __name__ == "__main__":
