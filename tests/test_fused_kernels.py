@@ -303,6 +303,56 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
             d.block_order(False)
 
 
+def test_mm_deferred_scaling_keeps_every_bit(dev):
+    """`MM_DEFER_SCALE` (a decode-width A/B build, tests/bench/ab_bench.sh def:MM_DEFER_SCALE=1) adds each
+    superblock's scaled sums into the accumulator one stage late, behind the next stage's loads, so
+    that a warp's last MMA of a stage is not waited for before the next stage starts. The accumulator
+    must take the same fmaf sequence: every output bit-identical to the default build in every
+    epilogue, for types with and without mins and scales, on a shape whose row blocks are cut between
+    stripes (the pending superblock is added before a cut row block's partial leaves the block), and
+    a two-type launch (both parts defer)."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(29)
+    n_out, n_in = 832, 1280                          # 13 row blocks of 5 superblocks; cut on the emulator's 16 blocks
+    defer = ("MM_DEFER_SCALE=1",)
+    cases = [(QT_Q4_K, MODE_STORE), (QT_Q4_K, MODE_ADD), (QT_Q4_K, MODE_SWIGLU), (QT_Q6_K, MODE_STORE),
+             (QT_Q6_K, MODE_ADD), (QT_Q8_0, MODE_STORE), (QT_F16, MODE_STORE)]
+    if name != "emu":
+        cases += [(QT_Q5_K, MODE_STORE), (QT_IQ4_XS, MODE_STORE), (QT_Q6_K, MODE_SWIGLU)]
+    for qtype, mode in cases:
+        raw_g, raw_u = _scaled_raw(qtype, n_out, n_in, rng), _scaled_raw(qtype, n_out, n_in, rng)
+        wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
+        ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+        for T in (1, 5):
+            act, xr = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
+            base = rng.standard_normal((T, n_out)).astype(np.float32)
+            got = []
+            for v in ((), defer):
+                if mode == MODE_SWIGLU:
+                    out = ActBuffer(xp, n_out)
+                    fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out, variant=v)()
+                    got.append(np.concatenate(out.read_rows(T), axis=1))
+                else:
+                    y = xp.zeros((T, n_out), dtype=xp.int64) if mode == MODE_ADD else xp.array(base)
+                    fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws, variant=v)()
+                    got.append(_h(xp, y))
+            assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode} T={T}: deferred scaling changed bits"
+            if mode == MODE_STORE:                   # and the default is the product (not both wrong alike)
+                assert _rel(got[0], fused_ref.mm_ref(xr, raw_g, qtype, n_in)) <= MM_TOL[qtype]
+    # two types in one launch: Q4_K rows then Q6_K rows, each part on its own share of the grid
+    raw_a, raw_b = _scaled_raw(QT_Q4_K, 320, n_in, rng), _scaled_raw(QT_Q6_K, 192, n_in, rng)
+    wa, wb = fg.repack("a", QT_Q4_K, 320, n_in, raw_a), fg.repack("b", QT_Q6_K, 192, n_in, raw_b)
+    ws = MmWorkspace(xp, *fg.workspace_need([wa, wb], MODE_ADD))
+    act, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
+    got = []
+    for v in ((), defer):
+        y = xp.zeros((1, 512), dtype=xp.int64)
+        fg.op_mm("t", [(wa, y, 0, 512), (wb, y, 320, 512)], act, 1, MODE_ADD, ws, variant=v)()
+        got.append(_h(xp, y))
+    assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's deferred scaling changed bits"
+
+
 def test_mm_segments_and_residual_add(dev):
     """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
     prep_rows folds into the residual (x + acc, written to the other x buffer, the next

@@ -5,7 +5,7 @@
 # persist: tests/bench/persist_probe.py's decode and verify questions (GPU_NOTES, thirty-fourth and
 # thirty-fifth sessions), ~2-4 minutes; needs only the gguf wheel.
 # trace: the stages of verify W=23's gate|up and ffn_down launches (tests/bench/stage_trace_gpu.py
-# --width 23; GPU_NOTES, thirty-sixth session), ~2-3 minutes with the 27B file already written.
+# --width 23, and gate|up's copies alone; GPU_NOTES, thirty-sixth session), ~3-4 minutes with the 27B file written.
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -37,4 +37,7 @@ if [ "$what" = trace ]; then
         | tee "$OUT/trace_w23.log"
     timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 --launch ffn_down 2>&1 \
         | tee "$OUT/trace_w23_ffn_down.log"
+    # gate|up's copies alone (results wrong): the stage rate the pipeline reaches with nothing to compute
+    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 \
+        --variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1 2>&1 | tee "$OUT/trace_w23_copies.log"
 fi
