@@ -75,6 +75,15 @@ TOPK_THREADS = 512                  # fused.cu TOPK_THREADS
 TOPK_MAX = 4096                     # the most candidates a step hands to the host sampler
 MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
 MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
+MM_HALF_MAX_STAGES = 4              # mma_matmul.cu MM_HALF_MAX_STAGES (the MM_HALF_SB A/B build)
+# mma_matmul.cu U::H1: bytes of a unit's second piece (k-steps 8..15's quants) in the MM_HALF_SB build
+UNIT_H1 = {QT_F16: 4096, QT_Q8_0: 2048, QT_Q4_K: 1024, QT_Q5_K: 1024, QT_Q6_K: 1536, QT_IQ4_XS: 1024}
+# Benchmarks only (tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True): every launch of more than 8 rows
+# built with MM_HALF_SB, each superblock streamed as two half stages (three in flight behind the one
+# computed, where two whole stages fill a block's shared memory at T = 23). The weights and activation
+# rows are not laid out in pieces yet, so such a build computes wrong rows from the right number of
+# bytes: it times the layout; never a default.
+WIDE_HALF_STAGES = False
 
 
 PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
@@ -128,13 +137,17 @@ def prep_cluster_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int
     return cpb * PREP_COLS
 
 
-def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
-    """Dynamic shared memory of an mm_tc launch of T rows (mma_matmul.cu MmGeom: stages x stage)."""
+def mm_smem_bytes(qtype: int, T: int, stages: int | None = None, half: bool = False) -> int:
+    """Dynamic shared memory of an mm_tc launch of T rows (mma_matmul.cu MmGeom: stages x stage;
+    half: the MM_HALF_SB build's half-superblock stages, stage_h / stages_h)."""
     has_min = qtype in (12, 13)
-    stage = 4 * UNIT_BYTES[qtype] + T * MM_B_ROW * 2 + (T * 32 if has_min else 0)
+    if half:
+        stage = 4 * (UNIT_BYTES[qtype] - UNIT_H1[qtype]) + T * MM_B_ROW + (T * 32 if has_min else 0)
+    else:
+        stage = 4 * UNIT_BYTES[qtype] + T * MM_B_ROW * 2 + (T * 32 if has_min else 0)
     stage = (stage + 127) // 128 * 128
     if stages is None:
-        stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
+        stages = max(2, min(MM_HALF_MAX_STAGES if half else MM_MAX_STAGES, MM_SMEM_TARGET // stage))
     return stages * stage
 
 
@@ -455,11 +468,15 @@ class FusedGpu:
             raise ValueError(f"{label}: workspace too small")
         if getattr(self.dev, "name", "") == "hip" and "MM_ISSUER_WARP=0" not in variant:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
+        if WIDE_HALF_STAGES and nt > 1 and "MM_HALF_SB=1" not in variant:
+            variant = tuple(variant) + ("MM_HALF_SB=1",)
         second = (f"MM_QT2={types[1]}",) if len(types) > 1 else ()
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}",) + second + (f"MM_NT={nt}", f"MM_MODE={mode}")
                        + tuple(variant))
         stages = _variant_int(variant, "MM_STAGES", None)
-        smem = max(mm_smem_bytes(t, T, stages) for t in types)
+        separate_issuer = nt == 1 and "MM_ISSUER_WARP=0" not in variant      # mma_matmul.cu MM_SEPARATE_ISSUER
+        half = bool(_variant_int(variant, "MM_HALF_SB", 0)) and not separate_issuer
+        smem = max(mm_smem_bytes(t, T, stages, half) for t in types)
         # benchmarks: MM_SMEM_EXTRA=N pads the launch's shared memory (fewer blocks a multiprocessor)
         smem += _variant_int(variant, "MM_SMEM_EXTRA", 0)
         self._smem(kern, smem)
@@ -468,8 +485,7 @@ class FusedGpu:
         n_segs_a = sum(1 for w in weights if w.qtype == qt)
         args = (seg_dev, np.int32(len(segs)), act.x16, act.buf, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
                 outxs, np.int32(parts[0][0]), np.int32(n_segs_a), np.int32(parts[0][1]))
-        issuer = nt == 1 and "MM_ISSUER_WARP=0" not in variant      # mma_matmul.cu MM_BLOCK_THREADS
-        return Op(label, kern, (gx,), (MM_THREADS + (32 if issuer else 0),), args, smem,
+        return Op(label, kern, (gx,), (MM_THREADS + (32 if separate_issuer else 0),), args, smem,
                   sum(w.nbytes for w in weights), tuple(keep))
 
     # -- fused kernels ----------------------------------------------------------------------------

@@ -171,7 +171,12 @@ struct LaneOffs {
 
 // Per-type lane state for one unit (read from its shared-memory copy). Interface:
 //   load(unit, offs)            loads what the whole superblock needs (K-quants: everything)
-//   pair(unit, offs, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants)
+//   load_h<H>(piece, offs)      the same from a unit cut in two (MM_HALF_SB, below): H = 0 the piece
+//                               with k-steps 0..7's quants and the scales, H = 1 k-steps 8..15's quants
+//   H1                          bytes of the second piece: the unit's bytes [H1, 2 H1) (always the
+//                               quants of k-steps 8..15); the first piece is the rest, in order
+//   pair(unit, offs, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants; in a piece,
+//                               p mod 4)
 //   frag<S>(a)                  the A fragment of k-step S
 //   HAS_MIN / row scale d[2] (rows g, g+8) / dmin[2], amin (A of the min MMA)
 // The scale state of a Q4_K / Q5_K unit for one lane: its two 32-wide groups 2c, 2c+1 of rows g
@@ -211,11 +216,17 @@ struct KQuantScales {
 
 struct UnitQ4K : KQuantScales {
     static constexpr bool HAS_MIN = true, SCALED = true;
+    static constexpr int H1 = 1024;
     uint4 q[4];
     __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
         load_records(u + 2048, o);
+    }
+    template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
+        q[2 * H] = ld128(u + o.q);
+        q[2 * H + 1] = ld128(u + 512 + o.q);
+        if (H == 0) load_records(u + 1024, o);
     }
     __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}
     template <int S> __device__ __forceinline__ void frag(u32 (&a)[4]) const {
@@ -241,11 +252,20 @@ struct UnitQ5K : KQuantScales {
     static constexpr bool HAS_MIN = true, SCALED = true;
     uint4 q[4];
     uint4 qh;
+    static constexpr int H1 = 1024;
     __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
         qh = ld128(u + 2048 + o.q);
         load_records(u + 2560, o);
+    }
+    template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
+        q[2 * H] = ld128(u + o.q);
+        q[2 * H + 1] = ld128(u + 512 + o.q);
+        if (H == 0) {
+            qh = ld128(u + 1024 + o.q);
+            load_records(u + 1536, o);
+        }
     }
     __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}
     // High bits: word S>>2 of qh; for k-step v = S & 3 the bit of (register r, half hf) sits at
@@ -277,12 +297,22 @@ struct UnitQ6K {
     u32 cs[4][2], bs[4][2];      // [16-wide group 4c + k][row g / g+8]
     float d[2], dmin[2];
     u32 amin[2];
+    static constexpr int H1 = 1536;
     __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
         for (int i = 0; i < 6; ++i) q[i] = ld128(u + i * 512 + o.q);
-        const u32 s0 = ld32(u + 3072 + o.r4), s1 = ld32(u + 3072 + 128 + o.r4);
-        d[0] = h2f(ld16(u + 3328 + o.g2));
-        d[1] = h2f(ld16(u + 3328 + 16 + o.g2));
+        load_scales<3072>(u, o);
+    }
+    template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
+#pragma unroll
+        for (int i = 0; i < 3; ++i) q[3 * H + i] = ld128(u + i * 512 + o.q);
+        if (H == 0) load_scales<1536>(u, o);
+    }
+    // The 16 x 16 scale bytes and the 16 d at byte OFF of the unit (3072; 1536 in a first piece).
+    template <int OFF> __device__ __forceinline__ void load_scales(const unsigned char* u, const LaneOffs& o) {
+        const u32 s0 = ld32(u + OFF + o.r4), s1 = ld32(u + OFF + 128 + o.r4);
+        d[0] = h2f(ld16(u + (OFF + 256) + o.g2));
+        d[1] = h2f(ld16(u + (OFF + 256) + 16 + o.g2));
         // Byte k of s ^ 0x80808080 under 0x64 in both halves is 1024 + 128 + sc (one PRMT); then
         // sc / 16 = (1152 + sc) / 16 - 72 and -96 sc = -1536 (sc / 16), each exact.
         const u32 x0 = s0 ^ 0x80808080u, x1 = s1 ^ 0x80808080u;
@@ -350,12 +380,22 @@ struct UnitIQ4XS {
         cs[0][row8] = h2sub(ls0 | (ls0 << 16) | H2_1024, H2_1056); bs[0][row8] = h2mul(cs[0][row8], H2_M1152);
         cs[1][row8] = h2sub(ls1 | (ls1 << 16) | H2_1024, H2_1056); bs[1][row8] = h2mul(cs[1][row8], H2_M1152);
     }
+    static constexpr int H1 = 1024;
     __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
         const uint4 r = ld128(u + 2048 + o.r);
         decode(r.x, r.y, o.c, 0);
         decode(r.z, r.w, o.c, 1);
+    }
+    template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
+        q[2 * H] = ld128(u + o.q);
+        q[2 * H + 1] = ld128(u + 512 + o.q);
+        if (H == 0) {
+            const uint4 r = ld128(u + 1024 + o.r);
+            decode(r.x, r.y, o.c, 0);
+            decode(r.z, r.w, o.c, 1);
+        }
     }
     __device__ __forceinline__ void pair(const unsigned char*, const LaneOffs&, int) {}
     // Codebook: a prmt looks up 4 nibbles in 8 bytes, so each half word is looked up in kv[0..7]
@@ -385,9 +425,14 @@ struct UnitQ8_0 {
     u32 dg[2][2];                // [block 2c + j][row g / g+8] as (d, d)
     float d[2], dmin[2];
     u32 amin[2];
-    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
+    static constexpr int H1 = 2048;
+    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) { load_d<4096>(u, o); }
+    template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
+        if (H == 0) load_d<2048>(u, o);
+    }
+    template <int OFF> __device__ __forceinline__ void load_d(const unsigned char* u, const LaneOffs& o) {
         // the f16 d of rows g, g + 8 for blocks 2c, 2c + 1: bytes 2 (8 g + 2 c) = 16 g + 4 c
-        const u32 w0 = ld32(u + 4096 + o.r4), w1 = ld32(u + 4096 + 128 + o.r4);
+        const u32 w0 = ld32(u + OFF + o.r4), w1 = ld32(u + OFF + 128 + o.r4);
         dg[0][0] = __byte_perm(w0, 0u, 0x1010); dg[1][0] = __byte_perm(w0, 0u, 0x3232);
         dg[0][1] = __byte_perm(w1, 0u, 0x1010); dg[1][1] = __byte_perm(w1, 0u, 0x3232);
     }
@@ -404,10 +449,12 @@ struct UnitQ8_0 {
 
 struct UnitF16 {
     static constexpr bool HAS_MIN = false, SCALED = false;
+    static constexpr int H1 = 4096;
     uint4 qs[2];
     float d[2], dmin[2];
     u32 amin[2];
     __device__ __forceinline__ void load(const unsigned char*, const LaneOffs&) {}
+    template <int H> __device__ __forceinline__ void load_h(const unsigned char*, const LaneOffs&) {}
     __device__ __forceinline__ void pair(const unsigned char* u, const LaneOffs& o, int p) {
         qs[0] = ld128(u + (2 * p) * 512 + o.q);
         qs[1] = ld128(u + (2 * p + 1) * 512 + o.q);
@@ -436,10 +483,37 @@ __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z));
 #define MM_B_ROW 256                       // halves per staged activation row
 #define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
 #define MM_MAX_STAGES 3                    // H200, bench_mm_gpu.py: 3 stages beat 4 and 5 (by 2-7%) at T = 1
+// MM_HALF_SB (wide launches, T > 8; A/B builds, default off): each superblock streams as two stages of
+// half its bytes, so that four blocks a multiprocessor keep three half stages in flight behind the one
+// computed where they keep one whole stage today (two of 21.7 KB fill a block's 46 KB at T = 23).
+// A stage then holds the first or the second piece of the row block's units (U::H1: k-steps 0..7's
+// quants with the scales, or k-steps 8..15's quants) and the first or second half of each activation
+// row (pairs 0..3 or 4..7). The MMAs and the scaling are the whole-stage build's, in its order, so rows
+// keep their bits, provided the weights and activations sit in the pieces' layout: a unit group of
+// four tiles as [4 first pieces][4 second pieces], a superblock's rows as [block sums][32 first
+// halves][32 second halves]. The loader and the producers do not write that layout yet, so on the 27B
+// this build times the layout it would read (tests/test_fused_kernels.py holds it to the default build
+// on weights and rows rearranged by the test).
+#ifndef MM_HALF_SB
+#define MM_HALF_SB 0
+#endif
+#define MM_HALF_MAX_STAGES 4
 template <int QT> struct MmGeom {
     static constexpr int UNIT = UnitBytes<QT>::v;
     static constexpr int A_BYTES = 4 * UNIT;
+    static constexpr int H1 = UnitOf<QT>::T::H1, H0 = UNIT - H1;     // a unit's two pieces (MM_HALF_SB)
     static constexpr bool HAS_MIN = UnitOf<QT>::T::HAS_MIN;
+    __device__ static int a_bytes(bool half) { return half ? 4 * H0 : A_BYTES; }
+    __device__ static int x_off_h(int n_rows) { return 4 * H0 + (HAS_MIN ? n_rows * 32 : 0); }
+    __device__ static int stage_h(int n_rows) { return (x_off_h(n_rows) + n_rows * MM_B_ROW + 127) & ~127; }
+    __device__ static int stages_h(int n_rows) {
+#ifdef MM_STAGES
+        return MM_STAGES;
+#else
+        const int n = MM_SMEM_TARGET / stage_h(n_rows);
+        return n < 2 ? 2 : (n > MM_HALF_MAX_STAGES ? MM_HALF_MAX_STAGES : n);
+#endif
+    }
     // A stage: the 4 units, the rows' block sums (K-quants with mins; rows in reverse order), the rows
     // (tc_common.cuh ACT_SB: sums and rows are one run in the activation buffer, one bulk copy).
     __device__ static int x_off(int n_rows) { return A_BYTES + (HAS_MIN ? n_rows * 32 : 0); }
@@ -506,24 +580,27 @@ __device__ __forceinline__ unsigned* st_record() {    // this block's record, or
 // boff[nt][P & 1]: byte offset of this lane's 16 bytes of pair P (minus 64 P) in the staged row
 // behind MMA column g of tile nt (columns past T repeat the last row): odd rows hold pair P at
 // (P ^ 1) * 64 bytes (act_index), so even and odd P get their own offset, fixed per launch.
-template <typename U, int NT, int P>
+// PIECE (MM_HALF_SB): the stage holds half a superblock, each row's half with pairs P & ~3 ..,
+// so pair P sits at (P & 3) * 64 and a piece's quants are planes of pair P & 3.
+template <typename U, int NT, int P, bool PIECE = false>
 __device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const unsigned char* sb_x, const int (&boff)[NT][2],
                                         const LaneOffs& lo, float (&tm)[NT][4]) {
     uint4 bq[NT];
+    constexpr int PA = PIECE ? (P & 3) : P;      // the pair's place in the stage
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #ifdef MM_B_ONE_LOAD      // timing only (wrong results): every column tile reuses tile 0's activations, so a
         // warp reads 1/NT of the B bytes from shared memory (does the wide product wait on them?)
-        bq[nt] = nt == 0 ? *(const uint4*)(sb_x + boff[0][P & 1] + P * 64) : bq[0];
+        bq[nt] = nt == 0 ? *(const uint4*)(sb_x + boff[0][P & 1] + PA * 64) : bq[0];
 #else
 #if defined(MM_DQ_PROBE) && MM_DQ_PROBE == 5       // timing only: every pair reads pair 0's activations
         bq[nt] = *(const uint4*)(sb_x + boff[nt][0]);
 #else
-        bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + P * 64);
+        bq[nt] = *(const uint4*)(sb_x + boff[nt][P & 1] + PA * 64);
 #endif
 #endif
     }
-    un.pair(ub, lo, P);
+    un.pair(ub, lo, PA);
     u32 a[4];
     un.template frag<2 * P>(a);
 #if defined(MM_DQ_PROBE) && (MM_DQ_PROBE == 3 || MM_DQ_PROBE == 4)   // timing only: an XOR chain for the MMAs
@@ -671,14 +748,17 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     __shared__ int s_last[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
-    const int STAGE = keep_reg(G::stage(n_rows_b)), n_stages = G::stages(n_rows_b), X_OFF = keep_reg(G::x_off(n_rows_b));
+    constexpr bool HALF = MM_HALF_SB && !MM_SEPARATE_ISSUER(NT);      // a superblock as two stages (above)
+    const int STAGE = keep_reg(HALF ? G::stage_h(n_rows_b) : G::stage(n_rows_b));
+    const int n_stages = HALF ? G::stages_h(n_rows_b) : G::stages(n_rows_b);
+    const int X_OFF = keep_reg(HALF ? G::x_off_h(n_rows_b) : G::x_off(n_rows_b));
     int brow[NT];                                // MMA columns past T read the last real row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) brow[nt] = min(nt * 8 + g, n_rows_b - 1);
     int boff[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        const int base = brow[nt] * (MM_B_ROW * 2) + c * 16, swz = 64 * (brow[nt] & 1);
+        const int base = brow[nt] * (MM_B_ROW * (HALF ? 1 : 2)) + c * 16, swz = 64 * (brow[nt] & 1);
         boff[nt][0] = keep_reg(base + swz);
         boff[nt][1] = keep_reg(base - swz);
     }
@@ -746,6 +826,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #endif
     constexpr bool BARRIER_PIPE = !SEPARATE && MM_BARRIER_PIPE;
     static_assert(!SRES_IN_STAGE || BARRIER_PIPE, "result rows in a stage need the block-barrier pipeline");
+    static_assert(!HALF || BARRIER_PIPE, "half-superblock stages run on the block-barrier pipeline");
     __shared__ MmSeg s_segs[4];
     __shared__ __align__(8) unsigned long long s_full[8];
     __shared__ __align__(8) unsigned long long s_empty[8];
@@ -763,6 +844,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int n_rows_copy = n_rows_b;
 #endif
     const unsigned b_bytes = (unsigned)n_rows_copy * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
+    // MM_HALF_SB: the first half stage takes the sums and the rows' first halves, the second the rest
+    const unsigned b_bytes_h1 = (unsigned)n_rows_copy * 256u, b_bytes_h0 = b_bytes - b_bytes_h1;
+    int i_h = 0;                                 // (HALF) the issuer's half of superblock i_f
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
@@ -774,31 +858,68 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         const unsigned char* src[RUNS];
         unsigned nb[RUNS];
         unsigned bytes = b_bytes;
+        int piece = UNIT;                        // bytes of a unit in this stage
+        if constexpr (HALF) {
+            bytes = i_h ? b_bytes_h1 : b_bytes_h0;
+            piece = i_h ? G::H1 : G::H0;
+        }
 #pragma unroll
         for (int r = 0; r < RUNS; ++r) {
             int s, tile;
             slot_tile<MODE>(i_seg, i_lrb, r * RUN_TILES, s, tile);
             const int n = min(RUN_TILES, s_segs[s].n_tiles - tile);
-            nb[r] = n > 0 ? (unsigned)n * UNIT : 0u;
-            bytes += nb[r];
-            src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile, i_sb, n_sb) * UNIT;
+            if constexpr (HALF) {                // the group's first pieces, then its second pieces
+                nb[r] = n > 0 ? (unsigned)(n * piece) : 0u;
+                bytes += nb[r];
+                src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile & ~3, i_sb, n_sb) * UNIT
+                         + (i_h ? 4 * G::H0 + (tile & 3) * G::H1 : (tile & 3) * G::H0);
+            } else {
+                nb[r] = n > 0 ? (unsigned)n * UNIT : 0u;
+                bytes += nb[r];
+                src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile, i_sb, n_sb) * UNIT;
+            }
         }
         unsigned char* st = smem + i_k * STAGE;
-        ST_MARK(st_iss, i_f - f0, 0);
+        ST_MARK(st_iss, HALF ? 2 * (i_f - f0) + i_h : i_f - f0, 0);
         if (lane == 0) mbar_expect(&s_full[i_k], bytes);
         warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
-        for (int r = 0; r < RUNS; ++r)
-            if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
+        for (int r = 0; r < RUNS; ++r) {
+            if constexpr (HALF) {
+                if (nb[r]) stage_copy(st + r * RUN_TILES * piece, src[r], nb[r], &s_full[i_k], lane);
+            } else {
+                if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
+            }
+        }
     };
-    auto issue_x = [&](int k, int sb) {          // the issuer warp: superblock sb of the T rows (and their sums)
+    auto issue_x = [&](int k, int sb, int h) {   // the issuer warp: superblock sb of the T rows (and their sums)
         unsigned char* st = smem + k * STAGE;
-        if (U::HAS_MIN)
+        if constexpr (HALF) {                    // the sums and the rows' first halves, or the second halves
+            if (h)
+                stage_copy(st + X_OFF, x16 + (size_t)sb * ACT_SB + ACT_ROWS * (MM_B_ROW / 2), b_bytes_h1, &s_full[k], lane);
+            else if (U::HAS_MIN)
+                stage_copy(st + 4 * G::H0, xs + (size_t)sb * ACT_SB + (ACT_ROWS - n_rows_b) * 16, b_bytes_h0, &s_full[k],
+                           lane);
+            else
+                stage_copy(st + 4 * G::H0, x16 + (size_t)sb * ACT_SB, b_bytes_h0, &s_full[k], lane);
+        } else if (U::HAS_MIN) {
             stage_copy(st + G::A_BYTES, xs + (size_t)sb * ACT_SB + (ACT_ROWS - n_rows_b) * 16, b_bytes, &s_full[k], lane);
-        else
+        } else {
             stage_copy(st + G::A_BYTES, x16 + (size_t)sb * ACT_SB, b_bytes, &s_full[k], lane);
+        }
     };
     auto advance = [&]() {
+        if constexpr (HALF) {
+            if (i_h == 0) {                      // the same superblock's second half next
+                i_h = 1;
+                if (++i_k == n_stages) {
+                    i_k = 0;
+                    ++i_round;
+                }
+                return;
+            }
+            i_h = 0;
+        }
         ++i_f;
         if (++i_k == n_stages) {
             i_k = 0;
@@ -815,13 +936,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     auto issue_next = [&]() {
         if (!BARRIER_PIPE && i_round > 0) mbar_wait(&s_empty[i_k], (unsigned)(i_round - 1) & 1u);
         issue_w();
-        issue_x(i_k, i_sb);
+        issue_x(i_k, i_sb, i_h);
         advance();
     };
 
     // Weights do not depend on the previous kernel: the first stages' are requested before
     // waiting for it (programmatic dependent launch), the activations after.
-    const int n_pro = min(BARRIER_PIPE ? n_stages - 1 : n_stages, f1 - f0);
+    const int n_pro = min(BARRIER_PIPE ? n_stages - 1 : n_stages, (HALF ? 2 : 1) * (f1 - f0));
     if (warp == ISSUER) {
         for (int k = 0; k < n_pro; ++k) {
             issue_w();
@@ -833,9 +954,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (st_rec) { st_rec[2] = st_clock(); st_rec[5] = (unsigned)n_stages; }
 #endif
     if (warp == ISSUER) {
-        int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
+        int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb, hk = 0;
         for (int k = 0; k < n_pro; ++k) {
-            issue_x(k, sbk);
+            issue_x(k, sbk, hk);
+            if constexpr (HALF) {
+                hk ^= 1;
+                if (hk) continue;
+            }
             if (++sbk == n_sb) sbk = 0;
         }
     }
@@ -880,8 +1005,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const LaneOffs lo = LaneOffs::kept(lane);    // lane offsets kept in registers for the loop
     int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(G::A_BYTES + (n_rows_b - 1 - brow[nt]) * 32 + c * 8);
-    const int w_off = keep_reg(warp * UNIT);     // this warp's unit in a stage
+    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(G::a_bytes(HALF) + (n_rows_b - 1 - brow[nt]) * 32 + c * 8);
+    const int w_off = keep_reg(warp * (HALF ? G::H0 : UNIT));     // this warp's unit (first piece) in a stage
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
     int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it
@@ -1123,6 +1248,87 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         ST_MARK(st_rec, f - f0, 3);
 #endif
     };
+    // MM_HALF_SB: superblock f as two ring stages (its items 2 (f - f0) and 2 (f - f0) + 1), each behind
+    // the block barrier at which warp 0 refills the stage left before it, as run_stage does for a whole
+    // superblock; the MMAs, the min term and the scaling are run_stage's, in its order.
+    auto half_wait = [&](int item) {
+        __syncthreads();
+        if (warp == ISSUER && i_f < f1) issue_next();
+        if (MM_WIDE_TRIGGER_AHEAD >= 0 && warp == ISSUER && i_f >= f1 - MM_WIDE_TRIGGER_AHEAD)
+            trigger_dependents();
+        ST_MARK(st_rec, item, 1);
+        mbar_wait(bar_at(full0, k), phase);
+        ST_MARK(st_rec, item, 2);
+    };
+    auto half_release = [&](int item) {
+        warp_sync();                             // every lane's reads of the stage are done
+        if (lane == 0) mbar_arrive(bar_at(empty0, k));
+        ST_MARK(st_rec, item, 3);
+        if (++k == n_stages) { k = 0; phase ^= 1u; }
+    };
+    auto run_stage_half = [&](int f) {
+        const int item = 2 * (f - f0);
+        half_wait(item);
+#ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
+        if (smem[k * STAGE + tid] == 0xff && smem[k * STAGE + tid + 1] == 0x17) acc[0][0] += 1.0f;
+        half_release(item);
+        half_wait(item + 1);
+        if (smem[k * STAGE + tid] == 0xff && smem[k * STAGE + tid + 1] == 0x17) acc[0][0] += 1.0f;
+        half_release(item + 1);
+#else
+        if (ok) {
+            const unsigned char* st = smem + k * STAGE;
+            U un;
+            un.template load_h<0>(st + w_off, lo);
+            float tm[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
+            mm_pair<U, NT, 0, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
+            mm_pair<U, NT, 1, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
+            mm_pair<U, NT, 2, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
+            mm_pair<U, NT, 3, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
+            uint2 bm[NT];                        // the min term's block sums ride in the first half
+            if (U::HAS_MIN)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) bm[nt] = *(const uint2*)(st + xs_lane[nt]);
+            half_release(item);
+            half_wait(item + 1);
+            const unsigned char* st1 = smem + k * STAGE;
+            const unsigned char* u1 = st1 + warp * G::H1;
+            un.template load_h<1>(u1, lo);
+            mm_pair<U, NT, 4, true>(un, u1, st1 + X_OFF, boff, lo, tm);
+            mm_pair<U, NT, 5, true>(un, u1, st1 + X_OFF, boff, lo, tm);
+            mm_pair<U, NT, 6, true>(un, u1, st1 + X_OFF, boff, lo, tm);
+            mm_pair<U, NT, 7, true>(un, u1, st1 + X_OFF, boff, lo, tm);
+            half_release(item + 1);
+            if (U::HAS_MIN) {
+                const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma16816(mn, am, bm[nt].x, bm[nt].y);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float a1 = fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]);
+                        acc[nt][i] = fmaf(-un.dmin[i >> 1], mn[i], a1);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        acc[nt][i] = U::SCALED ? fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]) : acc[nt][i] + tm[nt][i];
+            }
+        } else {                                 // an idle slot: both halves released unread
+            half_release(item);
+            half_wait(item + 1);
+            half_release(item + 1);
+        }
+#endif
+    };
     // The row block's part in this stripe is done: a row block wholly in this stripe is written at
     // once; one cut between stripes (only the stripe's first and last can be) is exchanged.
     auto end_row_block = [&](int k_last) {      // (k_last: the stage of the row block's last superblock here)
@@ -1177,6 +1383,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             new_row_block();
             const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    // the row block's last superblock here, + 1
             for (; f < f_end; ++f) {
+                if (HALF) {
+                    run_stage_half(f);           // (advances the ring twice)
+                    continue;
+                }
                 run_stage(f, false);
                 if (++k == n_stages) { k = 0; phase ^= 1u; }
             }
