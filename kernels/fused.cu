@@ -62,7 +62,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // n % 8 == 0) as f16 into out16, then the 32-column block's sum (the four groups of lanes 4k..4k+3,
 // which must be the groups of one 32-column block) as f16 hi + lo into outxs. Every lane of the warp
 // calls it (shuffles); lanes with valid false take part with nothing to write.
-__device__ __forceinline__ void act_group(const float* v, bool valid, int n, int t, u16* __restrict__ out16,
+__device__ __forceinline__ void act_group(const float* v, bool valid, int n, int t, int T, u16* __restrict__ out16,
                                           u16* __restrict__ outxs) {
     float s = 0.0f;
     if (valid) {
@@ -74,7 +74,7 @@ __device__ __forceinline__ void act_group(const float* v, bool valid, int n, int
             s += h2f(h1);
             packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
         }
-        *(uint4*)(out16 + act_index(t, n)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        *(uint4*)(out16 + act_index(t, n, T)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
     s += shfl_xor(s, 1);
     s += shfl_xor(s, 2);
@@ -87,15 +87,17 @@ __device__ __forceinline__ void act_group(const float* v, bool valid, int n, int
 }
 
 // vals[0..count) (smem) = natural columns n0 .. n0+count-1 of row t -> that row of an activation
-// buffer (f16, permuted: tc_common.cuh act_index) and the block sums of those columns. n0 % 32 == 0
-// and count % 8 == 0; a 32-column block must lie inside the range (count % 32 == 0, or the range
-// ends the row). Every thread of the block must call it (shuffles).
+// buffer of T rows (f16, permuted: tc_common.cuh act_index) and the block sums of those columns.
+// n0 % 32 == 0 and count % 8 == 0; a 32-column block must lie inside the range (count % 32 == 0, or
+// the range ends the row). Every thread of the block must call it (shuffles). The act16 writers run
+// one block row per token (grid.x = T), so they pass gridDim.x as T.
 __device__ void prep_cols(const float* vals, int n0, int count, int t, u16* __restrict__ out16, u16* __restrict__ outxs) {
+    const int T = (int)gridDim.x;
     const int n_groups = count >> 3;
     const int n_pad = (n_groups + blockDim.x - 1) / blockDim.x * blockDim.x;
     for (int base = 0; base < n_pad; base += blockDim.x) {
         const int u = base + threadIdx.x;
-        act_group(vals + 8 * min(u, n_groups - 1), u < n_groups, n0 + 8 * u, t, out16, outxs);
+        act_group(vals + 8 * min(u, n_groups - 1), u < n_groups, n0 + 8 * u, t, T, out16, outxs);
     }
 }
 

@@ -242,10 +242,12 @@ class TcWeight:
 class ActBuffer:
     """Activation rows in the tensor-core layout, superblock-major (tc_common.cuh act_index /
     xs_index): per superblock the block sums of its MAX_T rows (16 halves a row, rows in reverse
-    order), then the rows (256 f16 a row as uint16 bits, odd rows with the 64-byte halves of every
-    128 bytes swapped), so a launch's rows and their sums are one contiguous run. `x16` [n_sb][MAX_T]
-    [256] and `xs` [n_sb][MAX_T][16] are views of `buf` in row order; kernels take `x16` and `buf`
-    (the sums' base) as pointers. Allocated zeroed; columns past K are never written, so they stay
+    order), then the T rows a step writes cut in halves: the T first halves (stored positions 0..127 of
+    each row: k-step pairs 0..3), then the T second halves (odd rows with the 64-byte quarters of every
+    128 bytes swapped), so a launch's rows and their sums are one contiguous run, and a half-superblock
+    stage's are two. `x16` [n_sb][MAX_T][256] (the rows' region; a row's halves are not where this
+    shape puts them once T > 1) and `xs` [n_sb][MAX_T][16] are views of `buf`; kernels take `x16` and
+    `buf` (the sums' base) as pointers. Allocated zeroed; columns past K are never written, so they stay
     zero (the weights there are zero too). `write_rows` / `read_rows` convert from / to the row-major
     form of kernels/fused_ref.act_layout (tests, host-side checks)."""
 
@@ -259,33 +261,35 @@ class ActBuffer:
         xs_rows = MAX_T * 16 // 256                       # the sums of a superblock fill 2 rows of 256
         self.buf = xp.zeros((self.n_sb, xs_rows + MAX_T, 256), dtype=xp.uint16)
         self.x16 = self.buf[:, xs_rows:]
+        # each superblock's rows' region as one flat run (a 2-D slice of buf: a view)
+        self._rows = self.buf.reshape(self.n_sb, (xs_rows + MAX_T) * 256)[:, xs_rows * 256:]
         # (splitting the contiguous last 512 halves of each superblock: a view, never a copy)
         self.xs = self.buf[:, :xs_rows].reshape(self.n_sb, MAX_T, 16)[:, ::-1]
 
     @staticmethod
-    def _swizzle(T: int) -> np.ndarray:
-        """[T, 256] stored position of each row's position p: p ^ 32 on odd rows."""
-        return np.arange(256)[None, :] ^ (32 * (np.arange(T)[:, None] & 1))
+    def positions(T: int) -> np.ndarray:
+        """[T, 256]: where position p of row t of a T-row step sits in a superblock's rows' region
+        (tc_common.cuh act_index): stored position q = p ^ 32 on odd rows, q's half first."""
+        t = np.arange(T)[:, None]
+        q = np.arange(256)[None, :] ^ (32 * (t & 1))
+        return (q >> 7) * (T * 128) + t * 128 + (q & 127)
 
     def write_rows(self, x16: np.ndarray, xs: np.ndarray) -> None:
         """Rows 0..T-1 from row-major x16 [T, >= ld16] and xs [T, >= n_sb * 16] (uint16)."""
         x16 = np.asarray(x16, dtype=np.uint16)[:, :self.ld16]
         xs = np.asarray(xs, dtype=np.uint16)[:, :self.n_sb * 16]
         T = x16.shape[0]
-        blocks = np.zeros((self.n_sb, T, 256), dtype=np.uint16)
-        rows = np.arange(T)[:, None]
-        for sb in range(self.n_sb):
-            blocks[sb][rows, self._swizzle(T)] = x16[:, sb * 256:(sb + 1) * 256]
-        self.x16[:, :T] = self.xp.asarray(blocks)
+        region = np.zeros((self.n_sb, T * 256), dtype=np.uint16)
+        region[:, self.positions(T).ravel()] = x16.reshape(T, self.n_sb, 256).transpose(1, 0, 2).reshape(self.n_sb, -1)
+        self._rows[:, :T * 256] = self.xp.asarray(region)
         self.xs[:, :T] = self.xp.asarray(xs.reshape(T, self.n_sb, 16).transpose(1, 0, 2))
 
     def read_rows(self, T: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows 0..T-1 as row-major host arrays (x16 [T, ld16], xs [T, n_sb * 16])."""
+        """Rows 0..T-1 of a T-row step as row-major host arrays (x16 [T, ld16], xs [T, n_sb * 16])."""
         get = (lambda a: a.get()) if hasattr(self.x16, "get") else np.asarray
-        blocks, sums = get(self.x16[:, :T]), get(self.xs[:, :T])
-        rows = np.arange(T)[:, None]
-        x16 = np.concatenate([blocks[sb][rows, self._swizzle(T)] for sb in range(self.n_sb)], axis=1)
-        return x16, np.ascontiguousarray(sums.transpose(1, 0, 2)).reshape(T, self.n_sb * 16)
+        region, sums = get(self._rows[:, :T * 256]), get(self.xs[:, :T])
+        x16 = region[:, self.positions(T).ravel()].reshape(self.n_sb, T, 256).transpose(1, 0, 2).reshape(T, -1)
+        return np.ascontiguousarray(x16), np.ascontiguousarray(sums.transpose(1, 0, 2)).reshape(T, self.n_sb * 16)
 
 
 class MmWorkspace:

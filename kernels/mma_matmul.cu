@@ -473,6 +473,19 @@ template <> struct UnitOf<QT_IQ4_XS> { typedef UnitIQ4XS T; };
 template <> struct UnitOf<QT_Q8_0> { typedef UnitQ8_0 T; };
 template <> struct UnitOf<QT_F16> { typedef UnitF16 T; };
 
+// Where piece h of unit (tile, sb) sits in a matrix's tiled weight (bytes). A unit is cut in two pieces
+// (U::H1 above: the second piece is k-steps 8..15's quants, the first everything else in order), and
+// each pair of tiles 2i, 2i+1 of a superblock is [first piece of 2i, of 2i+1][second piece of 2i, of
+// 2i+1], the pairs laid out as unit_index lays out tiles: so a pair of tiles is 2 UNIT contiguous
+// bytes (a SwiGLU row block's gate or up pair: one bulk copy a stage), a group of four tiles 4 UNIT
+// (a STORE / ADD row block), and the pair's first or second pieces are contiguous too (one copy a
+// half-superblock stage: MM_HALF_SB).
+template <int QT> __device__ __forceinline__ long long unit_piece(int tile, int sb, int n_sb, int h) {
+    constexpr int UNIT = UnitBytes<QT>::v, H1 = UnitOf<QT>::T::H1, H0 = UNIT - H1;
+    const long long pair = (((long long)(tile >> 2) * n_sb + sb) * 4 + (tile & 2)) * UNIT;
+    return pair + (h ? 2 * H0 + (tile & 1) * H1 : (tile & 1) * H0);
+}
+
 __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z)); }
 
 // Pipeline geometry (the host computes the same numbers: kernels/fused_gpu.py mm_smem_bytes). A
@@ -673,7 +686,7 @@ __device__ __noinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int 
                 sum += h2f(h1);
                 packed[e >> 1] = (u32)h0 | ((u32)h1 << 16);
             }
-            *(uint4*)(out16 + act_index(tok, f0f)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            *(uint4*)(out16 + act_index(tok, f0f, T)) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
         }
         sum += shfl_xor(sum, 1);
         sum += shfl_xor(sum, 2);
@@ -758,7 +771,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int boff[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        const int base = brow[nt] * (MM_B_ROW * (HALF ? 1 : 2)) + c * 16, swz = 64 * (brow[nt] & 1);
+        const int base = brow[nt] * MM_B_ROW + c * 16, swz = 64 * (brow[nt] & 1);    // (half rows: 256 bytes)
         boff[nt][0] = keep_reg(base + swz);
         boff[nt][1] = keep_reg(base - swz);
     }
@@ -850,13 +863,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
-    // The row block's units of one superblock as runs of consecutive tiles (unit_index): one run of
+    // The row block's units of one superblock as runs of consecutive tiles (unit_piece): one run of
     // four tiles (STORE / ADD), or the gate pair and the up pair (SwiGLU); a run is cut short where
-    // its matrix ends (the slots past it stay idle).
+    // its matrix ends (the slots past it stay idle). A half stage copies pairs of tiles' pieces, which
+    // a group of four tiles holds apart: two runs for STORE / ADD too.
     constexpr int RUNS = MODE == MODE_SWIGLU ? 2 : 1, RUN_TILES = 4 / RUNS;
+    constexpr int RUNS_COPIED = HALF ? 2 : RUNS, TILES_COPIED = 4 / RUNS_COPIED;
     auto issue_w = [&]() {                       // the issuer warp: lane 0 arms the barrier, the units
-        const unsigned char* src[RUNS];
-        unsigned nb[RUNS];
+        const unsigned char* src[RUNS_COPIED];
+        unsigned nb[RUNS_COPIED];
         unsigned bytes = b_bytes;
         int piece = UNIT;                        // bytes of a unit in this stage
         if constexpr (HALF) {
@@ -864,17 +879,16 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             piece = i_h ? G::H1 : G::H0;
         }
 #pragma unroll
-        for (int r = 0; r < RUNS; ++r) {
+        for (int r = 0; r < RUNS_COPIED; ++r) {
             int s, tile;
-            slot_tile<MODE>(i_seg, i_lrb, r * RUN_TILES, s, tile);
-            const int n = min(RUN_TILES, s_segs[s].n_tiles - tile);
-            if constexpr (HALF) {                // the group's first pieces, then its second pieces
+            slot_tile<MODE>(i_seg, i_lrb, r * TILES_COPIED, s, tile);
+            const int n = min(TILES_COPIED, s_segs[s].n_tiles - tile);
+            if constexpr (HALF) {                // a pair's first or second pieces (unit_piece)
                 nb[r] = n > 0 ? (unsigned)(n * piece) : 0u;
                 bytes += nb[r];
-                src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile & ~3, i_sb, n_sb) * UNIT
-                         + (i_h ? 4 * G::H0 + (tile & 3) * G::H1 : (tile & 3) * G::H0);
-            } else {
-                nb[r] = n > 0 ? (unsigned)n * UNIT : 0u;
+                src[r] = (const unsigned char*)s_segs[s].w + unit_piece<QT>(tile, i_sb, n_sb, i_h);
+            } else {                             // whole pairs of tiles (a matrix's last one padded)
+                nb[r] = n > 0 ? (unsigned)((n + 1) & ~1) * UNIT : 0u;
                 bytes += nb[r];
                 src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile, i_sb, n_sb) * UNIT;
             }
@@ -884,11 +898,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (lane == 0) mbar_expect(&s_full[i_k], bytes);
         warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
-        for (int r = 0; r < RUNS; ++r) {
+        for (int r = 0; r < RUNS_COPIED; ++r) {
             if constexpr (HALF) {
-                if (nb[r]) stage_copy(st + r * RUN_TILES * piece, src[r], nb[r], &s_full[i_k], lane);
+                if (nb[r]) stage_copy(st + r * TILES_COPIED * piece, src[r], nb[r], &s_full[i_k], lane);
             } else {
-                if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
+                if (nb[r]) stage_copy(st + r * TILES_COPIED * UNIT, src[r], nb[r], &s_full[i_k], lane);
             }
         }
     };
@@ -896,7 +910,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         unsigned char* st = smem + k * STAGE;
         if constexpr (HALF) {                    // the sums and the rows' first halves, or the second halves
             if (h)
-                stage_copy(st + X_OFF, x16 + (size_t)sb * ACT_SB + ACT_ROWS * (MM_B_ROW / 2), b_bytes_h1, &s_full[k], lane);
+                stage_copy(st + X_OFF, x16 + (size_t)sb * ACT_SB + n_rows_b * (MM_B_ROW / 2), b_bytes_h1, &s_full[k], lane);
             else if (U::HAS_MIN)
                 stage_copy(st + 4 * G::H0, xs + (size_t)sb * ACT_SB + (ACT_ROWS - n_rows_b) * 16, b_bytes_h0, &s_full[k],
                            lane);
@@ -1006,7 +1020,12 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(G::a_bytes(HALF) + (n_rows_b - 1 - brow[nt]) * 32 + c * 8);
-    const int w_off = keep_reg(warp * (HALF ? G::H0 : UNIT));     // this warp's unit (first piece) in a stage
+    // This warp's unit in a stage: a whole superblock's stage holds its row block's pairs of tiles as
+    // copied (unit_piece: [first pieces][second pieces] a pair), a half stage the four tiles' pieces
+    // side by side. x_half: where the staged rows' second halves start (after the T first halves).
+    const int w_off = keep_reg(HALF ? warp * G::H0 : (warp >> 1) * 2 * UNIT + (warp & 1) * G::H0);
+    const int w_off1 = keep_reg((warp >> 1) * 2 * UNIT + 2 * G::H0 + (warp & 1) * G::H1);
+    const int x_half = keep_reg(n_rows_b * MM_B_ROW);
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
     int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it
@@ -1173,24 +1192,27 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (st[tid] == 0xff && st[tid + 1] == 0x17) acc[0][0] += 1.0f;
 #else
         if (ok) {
-            const unsigned char* us = st + w_off;
+            const unsigned char* us = st + w_off;            // the unit's two pieces (unit_piece)
+            const unsigned char* us1 = st + w_off1;
             U un;
-            un.load(us, lo);
+            un.template load_h<0>(us, lo);
+            un.template load_h<1>(us1, lo);
             if (DEFER && pending) scale_into_acc(p_tm, p_mn, p_d, p_dmin);    // behind the loads just asked
-            const unsigned char* sb_x = st + X_OFF;
+            const unsigned char* sb_x = st + X_OFF;          // the rows' first halves, then their second
+            const unsigned char* sb_x1 = sb_x + x_half;
             float tm[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
-            mm_pair<U, NT, 0>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 1>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 2>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 3>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 4>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 5>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 6>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 7>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 0, true>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 1, true>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 2, true>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 3, true>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 4, true>(un, us1, sb_x1, boff, lo, tm);
+            mm_pair<U, NT, 5, true>(un, us1, sb_x1, boff, lo, tm);
+            mm_pair<U, NT, 6, true>(un, us1, sb_x1, boff, lo, tm);
+            mm_pair<U, NT, 7, true>(un, us1, sb_x1, boff, lo, tm);
             uint2 bm[NT];                        // the min term's block sums: the stage's last bytes read
             if (U::HAS_MIN)
 #pragma unroll
@@ -1523,21 +1545,31 @@ __device__ __forceinline__ u32 nibble_word(int o, const Nib& nib) {
 }
 
 // The grid-stride walk every repack kernel shares: output word wi -> (tile, superblock, byte offset
-// o inside the UNIT-byte unit); out[wi] = word(tile, sb, o).
-template <int UNIT, typename Word>
+// o inside the UNIT-byte unit); out[wi] = word(tile, sb, o). The output is unit_piece's layout: per
+// group of four tiles and superblock, two pairs of tiles, each [first pieces][second pieces].
+template <int QT, typename Word>
 __device__ __forceinline__ void repack_units(u32* __restrict__ out, int n_sb, long long n_words, const Word& word) {
+    constexpr int UNIT = UnitBytes<QT>::v, H1 = UnitOf<QT>::T::H1, H0 = UNIT - H1;
     for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < n_words;
          wi += (long long)gridDim.x * blockDim.x) {
-        const long long unit = wi / (UNIT / 4);   // = unit_index(tile, sb, n_sb)
-        const int o = (int)(wi % (UNIT / 4)) * 4;
-        const long long group = unit / (4ll * n_sb);
-        out[wi] = word((int)(group * 4 + (unit & 3)), (int)((unit >> 2) % n_sb), o);
+        const long long blk = wi / UNIT;          // (4 UNIT bytes = UNIT words a group and superblock)
+        const int ob = (int)(wi % UNIT) * 4, pair = ob / (2 * UNIT), op = ob % (2 * UNIT);
+        int t, o;
+        if (op < 2 * H0) {                        // a first piece: the unit's bytes [0, H1) and [2 H1, UNIT)
+            t = op / H0;
+            const int q = op % H0;
+            o = q < H1 ? q : q + H1;
+        } else {                                  // a second piece: its bytes [H1, 2 H1)
+            t = (op - 2 * H0) / H1;
+            o = H1 + (op - 2 * H0) % H1;
+        }
+        out[wi] = word((int)(blk / n_sb) * 4 + 2 * pair + t, (int)(blk % n_sb), o);
     }
 }
 
 extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
-    repack_units<2304>(out, n_sb, n_words, [&](int tile, int sb, int o) {
+    repack_units<QT_Q4_K>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v;
         if (o < 2048) {
             v = nibble_word(o, [&](int row16, int col) {
@@ -1553,7 +1585,7 @@ extern "C" __global__ void repack_q4_k(const unsigned char* __restrict__ raw, u3
 
 extern "C" __global__ void repack_q5_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
-    repack_units<2816>(out, n_sb, n_words, [&](int tile, int sb, int o) {
+    repack_units<QT_Q5_K>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 2048) {
             v = nibble_word(o, [&](int row16, int col) {
@@ -1601,7 +1633,7 @@ __device__ __forceinline__ u32 q6_code(const unsigned char* raw, int row_bytes, 
 
 extern "C" __global__ void repack_q6_k(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
-    repack_units<3360>(out, n_sb, n_words, [&](int tile, int sb, int o) {
+    repack_units<QT_Q6_K>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 3072) {
             // word j = 3p + i of lane `lane` (UnitQ6K): codes of pair p's registers R = i, 3 + i, and
@@ -1649,7 +1681,7 @@ __device__ __forceinline__ u32 iq4_code(const unsigned char* raw, int row_bytes,
 // n_in is a whole number of superblocks (FusedGpu.repack checks), so every superblock is real.
 extern "C" __global__ void repack_iq4_xs(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                          int row_bytes, int n_sb, long long n_words) { TL_SCOPE;
-    repack_units<2176>(out, n_sb, n_words, [&](int tile, int sb, int o) {
+    repack_units<QT_IQ4_XS>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 2048) {
             const int i = o / 512, lane = (o % 512) / 16, s = 4 * i + (o % 16) / 4;
@@ -1675,7 +1707,7 @@ extern "C" __global__ void repack_iq4_xs(const unsigned char* __restrict__ raw, 
 // Q8_0: a unit is 8 consecutive blocks of 32; n_blk = n_in / 32 real blocks per row.
 extern "C" __global__ void repack_q8_0(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                        int row_bytes, int n_sb, int n_blk, long long n_words) { TL_SCOPE;
-    repack_units<4352>(out, n_sb, n_words, [&](int tile, int sb, int o) {
+    repack_units<QT_Q8_0>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         u32 v = 0;
         if (o < 4096) {
             const int p = o / 512, lane = (o % 512) / 16, h = (o % 16) / 8, half_word = (o % 8) / 4;
@@ -1708,7 +1740,7 @@ extern "C" __global__ void repack_q8_0(const unsigned char* __restrict__ raw, u3
 // F16: n_in real columns.
 extern "C" __global__ void repack_f16(const unsigned char* __restrict__ raw, u32* __restrict__ out, int n_rows,
                                       int row_bytes, int n_sb, int n_in, long long n_words) { TL_SCOPE;
-    repack_units<8192>(out, n_sb, n_words, [&](int tile, int sb, int o) {
+    repack_units<QT_F16>(out, n_sb, n_words, [&](int tile, int sb, int o) {
         const int s = o / 512, lane = (o % 512) / 16, r = (o % 16) / 4;
         u32 v = 0;
 #pragma unroll
@@ -1763,8 +1795,8 @@ __device__ __forceinline__ void uf_step(const U& un, u32* st, int lane) {
         st[(g + 8 * (r & 1)) * UF_LD + 32 * c + 4 * (S >> 1) + 2 * (S & 1) + (r >> 1)] = uf_value(un, a[r], r & 1, S >> 3);
 }
 template <typename U, int P>
-__device__ __forceinline__ void uf_pair(U& un, const unsigned char* u, u32* st, int lane) {
-    un.pair(u, LaneOffs::of(lane), P);
+__device__ __forceinline__ void uf_pair(U& un, const unsigned char* u, u32* st, int lane) {   // u: P's piece
+    un.pair(u, LaneOffs::of(lane), P & 3);
     uf_step<U, 2 * P>(un, st, lane);
     uf_step<U, 2 * P + 1>(un, st, lane);
 }
@@ -1778,17 +1810,19 @@ __device__ __forceinline__ void units_f16_impl(const unsigned char* __restrict__
     const long long n_units = (long long)n_tiles * n_sb;
     for (long long i = (long long)blockIdx.x * UF_WARPS + warp; i < n_units; i += (long long)gridDim.x * UF_WARPS) {
         const int t = (int)(i / n_sb), sb = (int)(i % n_sb);
-        const unsigned char* u = units + unit_index(tile0 + t, sb, n_sb) * UnitBytes<QT>::v;
+        const unsigned char* u0 = units + unit_piece<QT>(tile0 + t, sb, n_sb, 0);
+        const unsigned char* u1 = units + unit_piece<QT>(tile0 + t, sb, n_sb, 1);
         U un;
-        un.load(u, LaneOffs::of(lane));
-        uf_pair<U, 0>(un, u, st, lane);
-        uf_pair<U, 1>(un, u, st, lane);
-        uf_pair<U, 2>(un, u, st, lane);
-        uf_pair<U, 3>(un, u, st, lane);
-        uf_pair<U, 4>(un, u, st, lane);
-        uf_pair<U, 5>(un, u, st, lane);
-        uf_pair<U, 6>(un, u, st, lane);
-        uf_pair<U, 7>(un, u, st, lane);
+        un.template load_h<0>(u0, LaneOffs::of(lane));
+        un.template load_h<1>(u1, LaneOffs::of(lane));
+        uf_pair<U, 0>(un, u0, st, lane);
+        uf_pair<U, 1>(un, u0, st, lane);
+        uf_pair<U, 2>(un, u0, st, lane);
+        uf_pair<U, 3>(un, u0, st, lane);
+        uf_pair<U, 4>(un, u1, st, lane);
+        uf_pair<U, 5>(un, u1, st, lane);
+        uf_pair<U, 6>(un, u1, st, lane);
+        uf_pair<U, 7>(un, u1, st, lane);
         warp_sync();
         u16* o = out + (size_t)t * 16 * ld + (size_t)sb * 256 + lane * 8;
 #pragma unroll 4

@@ -467,19 +467,25 @@ __device__ __forceinline__ int act_pos(int n) {
 // is 2 further.
 __device__ __forceinline__ int xs_pos(int j) { return (j >> 3) * 16 + ((j & 7) >> 1) * 4 + (j & 1); }
 
-// Activation buffers (kernels/fused_gpu.py ActBuffer) hold ACT_ROWS rows superblock-major, each
+// Activation buffers (kernels/fused_gpu.py ActBuffer) hold up to ACT_ROWS rows superblock-major, each
 // superblock's block sums first (ACT_ROWS x 16 halves, the rows in reverse order) and then its rows
-// (ACT_ROWS x 256): xs points at the buffer, x16 ACT_XS halves further, and both step ACT_SB a
-// superblock. So the T rows of one superblock and their sums are one run of T * 544 bytes (sums of
-// rows T-1..0, then rows 0..T-1) that the matmul stages with one bulk copy (each copy a verify-width
-// launch's warp 0 issues delays all four warps of its block). Odd rows swap the 64-byte halves of
-// every 128 bytes (stored position ^ 32): the two rows a quarter-warp's 16-byte B loads read then
-// fall on different banks although the staged rows are 512 bytes apart.
+// cut in halves, for the T rows a step writes: the T first halves (stored positions 0..127: k-step
+// pairs 0..3), then the T second halves (pairs 4..7): xs points at the buffer, x16 ACT_XS halves
+// further, and both step ACT_SB a superblock. So the T rows of one superblock and their sums are one
+// run of T * 544 bytes (sums of rows T-1..0, then the first halves, then the second) that a matmul
+// stages with one bulk copy (each copy a verify-width launch's warp 0 issues delays all four warps of
+// its block), and a half-superblock stage (mma_matmul.cu MM_HALF_SB) takes the sums and the first
+// halves as one run, the second halves as another. At T = 1 this is the whole row in order. The
+// layout depends on T, which every producer knows (the rows it writes) and every reader takes from
+// the same step. Odd rows swap the 64-byte quarters of every 128 bytes (stored position ^ 32): the
+// two rows a quarter-warp's 16-byte B loads read then fall on different banks although the staged
+// half rows are 256 bytes apart.
 #define ACT_ROWS 32
 #define ACT_XS (ACT_ROWS * 16)
 #define ACT_SB (ACT_XS + ACT_ROWS * 256)
-__device__ __forceinline__ size_t act_index(int t, int n) {
-    return (size_t)(n >> 8) * ACT_SB + (size_t)t * 256 + ((act_pos(n) & 255) ^ (32 * (t & 1)));
+__device__ __forceinline__ size_t act_index(int t, int n, int T) {
+    const int p = (act_pos(n) & 255) ^ (32 * (t & 1));      // the stored position in row t
+    return (size_t)(n >> 8) * ACT_SB + (size_t)(p >> 7) * (T * 128) + (size_t)t * 128 + (p & 127);
 }
 __device__ __forceinline__ size_t xs_index(int t, int j) {
     return (size_t)(j >> 3) * ACT_SB + (size_t)(ACT_ROWS - 1 - t) * 16 + (xs_pos(j) & 15);

@@ -353,37 +353,14 @@ def test_mm_deferred_scaling_keeps_every_bit(dev):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's deferred scaling changed bits"
 
 
-def _as_pieces(xp, w):
-    """A copy of TcWeight w in the layout the MM_HALF_SB build reads: each group of four tiles' units of
-    a superblock as [the four first pieces][the four second pieces], a unit's second piece being its
-    bytes [H1, 2 H1) (k-steps 8..15's quants) and its first piece the rest in order."""
-    import dataclasses
-    from kernels.fused_gpu import UNIT_BYTES, UNIT_H1
-    u, h1 = UNIT_BYTES[w.qtype], UNIT_H1[w.qtype]
-    g = _h(xp, w.data).reshape(-1, w.n_sb, 4, u)
-    first = np.concatenate([g[..., :h1], g[..., 2 * h1:]], axis=3).reshape(g.shape[0], w.n_sb, -1)
-    second = g[..., h1:2 * h1].reshape(g.shape[0], w.n_sb, -1)
-    return dataclasses.replace(w, data=xp.asarray(np.concatenate([first, second], axis=2).reshape(-1)))
-
-
-def _act_as_pieces(xp, act):
-    """A copy of ActBuffer act whose superblocks hold [block sums][the 32 rows' first halves][their
-    second halves] (each half 128 stored positions: the odd rows' swizzle stays inside a half)."""
-    out = ActBuffer(xp, act.K)
-    out.buf[...] = act.buf
-    rows = _h(xp, act.x16).reshape(act.n_sb, -1, 2, 128).transpose(0, 2, 1, 3).reshape(act.n_sb, -1, 256)
-    out.x16[...] = xp.asarray(np.ascontiguousarray(rows))
-    return out
-
-
-def test_mm_half_superblock_stages_read_the_pieces_layout(dev):
-    """`MM_HALF_SB` (a verify-width A/B build: tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True) streams each
-    superblock of a launch of more than 8 rows as two half stages, so four blocks a multiprocessor keep
-    three halves in flight where they keep one whole stage today. Given weights and rows in the pieces
-    layout (rearranged here; the loader and the producers do not write it yet), every output must equal
-    the default build's on the usual layout bit for bit: the same MMAs, min term and scaling in the same
-    order, in every epilogue, every type, cut row blocks, result rows kept in a stage (T > 24), and a
-    two-type launch. The launch takes the half stages' shared memory (four stages at T = 23)."""
+def test_mm_half_superblock_stages_keep_every_bit(dev):
+    """`MM_HALF_SB` (the verify-width A/B build: tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True) streams
+    each superblock of a launch of more than 8 rows as two half stages (the units' pieces and the rows'
+    halves, mma_matmul.cu unit_piece / tc_common.cuh act_index), so four blocks a multiprocessor keep
+    three halves in flight where they keep one whole stage. Every output must equal the whole-stage
+    build's bit for bit: the same MMAs, min term and scaling in the same order, in every epilogue, every
+    type, cut row blocks, result rows kept in a stage (T > 24), and a two-type launch. The launch takes
+    the half stages' shared memory (four stages at T = 23)."""
     from kernels.fused_gpu import mm_smem_bytes
     name, d, fg = dev
     xp = fg.xp
@@ -396,12 +373,10 @@ def test_mm_half_superblock_stages_read_the_pieces_layout(dev):
     for qtype, mode, T in cases:
         raw_g, raw_u = _scaled_raw(qtype, n_out, n_in, rng), _scaled_raw(qtype, n_out, n_in, rng)
         wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
-        pg, pu = _as_pieces(xp, wg), _as_pieces(xp, wu)
         ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
-        act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
-        pact = _act_as_pieces(xp, act)
+        act, xr = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
         got = []
-        for v, (g, u, a) in (((), (wg, wu, act)), (half, (pg, pu, pact))):
+        for v, (g, u, a) in (((), (wg, wu, act)), (half, (wg, wu, act))):
             if mode == MODE_SWIGLU:
                 out = ActBuffer(xp, n_out)
                 op = fg.op_mm("t", [(g, None, 0, 0), (u, None, 0, 0)], a, T, mode, ws, out_act=out, variant=v)
@@ -414,6 +389,8 @@ def test_mm_half_superblock_stages_read_the_pieces_layout(dev):
                 got.append(_h(xp, y))
         assert op.smem == mm_smem_bytes(qtype, T, half=True)
         assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode} T={T}: half stages changed bits"
+        if mode == MODE_STORE:                       # and both are the product
+            assert _rel(got[1], fused_ref.mm_ref(xr, raw_g, qtype, n_in)) <= MM_TOL[qtype]
     assert mm_smem_bytes(QT_Q4_K, 23, half=True) == 4 * 11776            # four half stages at the 27B's verify width
     # two types in one launch (mm_tc_parts): both parts in pieces
     raw_a, raw_b = _scaled_raw(QT_Q4_K, 320, n_in, rng), _scaled_raw(QT_Q6_K, 192, n_in, rng)
@@ -421,9 +398,9 @@ def test_mm_half_superblock_stages_read_the_pieces_layout(dev):
     ws = MmWorkspace(xp, *fg.workspace_need([wa, wb], MODE_ADD))
     act, _ = _act(fg, rng.standard_normal((23, n_in)).astype(np.float32), n_in)
     got = []
-    for v, (a_, b_, x_) in (((), (wa, wb, act)), (half, (_as_pieces(xp, wa), _as_pieces(xp, wb), _act_as_pieces(xp, act)))):
+    for v in ((), half):
         y = xp.zeros((23, 512), dtype=xp.int64)
-        fg.op_mm("t", [(a_, y, 0, 512), (b_, y, 320, 512)], x_, 23, MODE_ADD, ws, variant=v)()
+        fg.op_mm("t", [(wa, y, 0, 512), (wb, y, 320, 512)], act, 23, MODE_ADD, ws, variant=v)()
         got.append(_h(xp, y))
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's half stages changed bits"
 
