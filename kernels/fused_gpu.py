@@ -78,11 +78,10 @@ MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 MM_HALF_MAX_STAGES = 4              # mma_matmul.cu MM_HALF_MAX_STAGES (the MM_HALF_SB A/B build)
 # mma_matmul.cu U::H1: bytes of a unit's second piece (k-steps 8..15's quants) in the MM_HALF_SB build
 UNIT_H1 = {QT_F16: 4096, QT_Q8_0: 2048, QT_Q4_K: 1024, QT_Q5_K: 1024, QT_Q6_K: 1536, QT_IQ4_XS: 1024}
-# Benchmarks only (tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True): every launch of more than 8 rows
-# built with MM_HALF_SB, each superblock streamed as two half stages (three in flight behind the one
-# computed, where two whole stages fill a block's shared memory at T = 23). The weights and activation
-# rows are not laid out in pieces yet, so such a build computes wrong rows from the right number of
-# bytes: it times the layout; never a default.
+# Every launch of more than 8 rows built with MM_HALF_SB (mma_matmul.cu): each superblock streamed as two
+# half stages, three in flight behind the one computed, where two whole stages fill a block's shared
+# memory at T = 23. The same bits as whole stages (tests/test_fused_kernels.py, tests/test_gpu_step.py);
+# off until the H200 says it is faster (tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True).
 WIDE_HALF_STAGES = False
 
 

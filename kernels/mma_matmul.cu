@@ -8,12 +8,13 @@
 // and multiplied by cuBLAS instead.
 //
 // Weights. At load time each GGUF matrix is rearranged on the device (the `repack_*` kernels below)
-// into "units": 16 rows (one MMA tile) x 256 columns (one K-quant superblock), unit (tile, sb) at
-// byte unit_index(tile, sb, n_sb) * UNIT (tiles in groups of four, below). The bytes are exactly
-// the GGUF block bytes of those 16 rows x 256 columns, reordered so that each lane of a warp reads
-// its MMA fragments with 16-byte loads that coalesce across the warp; nothing is dequantised or
-// widened (a Q4_K unit is 16 x 144 bytes). Rows past n_out and columns past n_in (rows that are not
-// a whole number of superblocks) are zero.
+// into "units": 16 rows (one MMA tile) x 256 columns (one K-quant superblock), each cut in two pieces
+// (k-steps 8..15's quants, and the rest), unit (tile, sb)'s pieces at unit_piece(tile, sb, n_sb, h)
+// (tiles in pairs within groups of four, below). The bytes are exactly the GGUF block bytes of those
+// 16 rows x 256 columns, reordered so that each lane of a warp reads its MMA fragments with 16-byte
+// loads that coalesce across the warp; nothing is dequantised or widened (a Q4_K unit is 16 x 144
+// bytes). Rows past n_out and columns past n_in (rows that are not a whole number of superblocks) are
+// zero.
 //
 // Element map (all types). Lane L = 4g + c, k-step s (0..15) of a superblock, A register r (0..3),
 // half hf: row 16*tile + g + 8*(r & 1), column 256*sb + 64c + 8*(s >> 1) + 4*(s & 1) + 2*(r >> 1)
@@ -25,7 +26,7 @@
 // Activations ("act16"): f16 rows of n_sb*256 halves in the same permuted order (natural column
 // n = [c:2][p:3][e:3] within a 256-block stored at [p:3][c:2][e:3]: kernels/tc_common.cuh act_pos),
 // so the four lanes of a token read 64 contiguous bytes per pair of k-steps, stored superblock-major
-// (the rows of one superblock contiguous, odd rows swizzled: tc_common.cuh act_index). For Q4_K /
+// (a superblock's rows cut in halves, odd rows swizzled: tc_common.cuh act_index). For Q4_K /
 // Q5_K the block sums of each 32-column block (as f16 hi + lo) ride along (xs_pos, xs_index). Both
 // are written by the kernels that produce a matmul's input (fused.cu `prep_*`, the SwiGLU epilogue).
 //
@@ -116,11 +117,12 @@ template <> struct UnitBytes<QT_Q5_K> { static constexpr int v = 2816; };
 template <> struct UnitBytes<QT_Q6_K> { static constexpr int v = 3360; };
 template <> struct UnitBytes<QT_IQ4_XS> { static constexpr int v = 2176; };
 
-// Where unit (tile, sb) sits in a matrix's tiled weight: tiles in groups of four, each group's units
-// superblock-major with its four tiles side by side, so a row block's units for one superblock (the
-// four tiles of a STORE / ADD row block; a SwiGLU row block's two gate or two up tiles, half a group)
-// are one contiguous run of bytes, one bulk copy a stage instead of four. A matrix's tile count is
-// padded to a multiple of four (the padding is zeros, never read).
+// The UNIT-byte slot of unit (tile, sb) in a matrix's tiled weight: tiles in groups of four, each
+// group's units superblock-major with its four tiles side by side, so a row block's units for one
+// superblock (the four tiles of a STORE / ADD row block; a SwiGLU row block's two gate or two up
+// tiles, half a group) are one contiguous run of bytes, one bulk copy a stage instead of four. Inside
+// a pair of slots the two units lie in pieces (unit_piece, below); an even tile's slot is where its
+// pair starts. A matrix's tile count is padded to a multiple of four (the padding is zeros).
 __device__ __forceinline__ long long unit_index(int tile, int sb, int n_sb) {
     return ((long long)(tile >> 2) * n_sb + sb) * 4 + (tile & 3);
 }
@@ -496,17 +498,13 @@ __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z));
 #define MM_B_ROW 256                       // halves per staged activation row
 #define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
 #define MM_MAX_STAGES 3                    // H200, bench_mm_gpu.py: 3 stages beat 4 and 5 (by 2-7%) at T = 1
-// MM_HALF_SB (wide launches, T > 8; A/B builds, default off): each superblock streams as two stages of
-// half its bytes, so that four blocks a multiprocessor keep three half stages in flight behind the one
-// computed where they keep one whole stage today (two of 21.7 KB fill a block's 46 KB at T = 23).
-// A stage then holds the first or the second piece of the row block's units (U::H1: k-steps 0..7's
-// quants with the scales, or k-steps 8..15's quants) and the first or second half of each activation
-// row (pairs 0..3 or 4..7). The MMAs and the scaling are the whole-stage build's, in its order, so rows
-// keep their bits, provided the weights and activations sit in the pieces' layout: a unit group of
-// four tiles as [4 first pieces][4 second pieces], a superblock's rows as [block sums][32 first
-// halves][32 second halves]. The loader and the producers do not write that layout yet, so on the 27B
-// this build times the layout it would read (tests/test_fused_kernels.py holds it to the default build
-// on weights and rows rearranged by the test).
+// MM_HALF_SB (wide launches, T > 8; kernels/fused_gpu.py WIDE_HALF_STAGES, off until measured): each
+// superblock streams as two stages of half its bytes, so that four blocks a multiprocessor keep three
+// half stages in flight behind the one computed where they keep one whole stage (two of 21.7 KB fill a
+// block's 46 KB at T = 23). A stage then holds the first or the second pieces of the row block's units
+// (unit_piece: k-steps 0..7's quants with the scales, or k-steps 8..15's quants) and the first or second
+// halves of the activation rows (pairs 0..3 or 4..7: tc_common.cuh act_index). The MMAs and the scaling
+// are the whole-stage build's, in its order, so rows keep their bits (tests/test_fused_kernels.py).
 #ifndef MM_HALF_SB
 #define MM_HALF_SB 0
 #endif
