@@ -83,6 +83,10 @@ UNIT_H1 = {QT_F16: 4096, QT_Q8_0: 2048, QT_Q4_K: 1024, QT_Q5_K: 1024, QT_Q6_K: 1
 # memory at T = 23. The same bits as whole stages (tests/test_fused_kernels.py, tests/test_gpu_step.py);
 # off until the H200 says it is faster (tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True).
 WIDE_HALF_STAGES = False
+# Launches of one row (decode's products) use mma_matmul.cu's MM_ONE_ROW build: T and the offsets it sets
+# are constants (the second halves of the staged rows 256 bytes on), the same arithmetic. ab_bench.sh
+# def:ONE_ROW_BUILD=False times the general build at T = 1.
+ONE_ROW_BUILD = True
 
 
 PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
@@ -473,6 +477,8 @@ class FusedGpu:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         if WIDE_HALF_STAGES and nt > 1 and "MM_HALF_SB=1" not in variant:
             variant = tuple(variant) + ("MM_HALF_SB=1",)
+        if ONE_ROW_BUILD and T == 1 and "MM_ONE_ROW=1" not in variant:
+            variant = tuple(variant) + ("MM_ONE_ROW=1",)
         second = (f"MM_QT2={types[1]}",) if len(types) > 1 else ()
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}",) + second + (f"MM_NT={nt}", f"MM_MODE={mode}")
                        + tuple(variant))

@@ -735,9 +735,16 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
     }
 }
 
+// MM_ONE_ROW: a build for launches of one activation row (decode's products; kernels/fused_gpu.py picks it
+// at T = 1): T, and every offset it sets (the second halves of the staged rows, the stage size), are
+// constants, so the addresses fold into the loads' immediates. The same arithmetic as the build for 1..8
+// rows, so the same bits.
+#ifndef MM_ONE_ROW
+#define MM_ONE_ROW 0
+#endif
 template <int QT, int NT, int MODE>
 __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
-                                           const u16* __restrict__ xs, int n_sb, int T,
+                                           const u16* __restrict__ xs, int n_sb, int T_launch,
                                            float* __restrict__ ws, int* __restrict__ counters,
                                            u16* __restrict__ out16, u16* __restrict__ outxs,
                                            const int bid, const int Gn) {   // this block in the part's own grid of Gn
@@ -758,6 +765,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     __shared__ float sres_static[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? 32 * SROW : 1];
     __shared__ int s_last[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    static_assert(!MM_ONE_ROW || NT == 1, "a one-row build is a build of one column tile");
+    const int T = MM_ONE_ROW ? 1 : T_launch;
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
     constexpr bool HALF = MM_HALF_SB && !MM_SEPARATE_ISSUER(NT);      // a superblock as two stages (above)
     const int STAGE = keep_reg(HALF ? G::stage_h(n_rows_b) : G::stage(n_rows_b));
@@ -1023,7 +1032,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // side by side. x_half: where the staged rows' second halves start (after the T first halves).
     const int w_off = keep_reg(HALF ? warp * G::H0 : (warp >> 1) * 2 * UNIT + (warp & 1) * G::H0);
     const int w_off1 = keep_reg((warp >> 1) * 2 * UNIT + 2 * G::H0 + (warp & 1) * G::H1);
-    const int x_half = keep_reg(n_rows_b * MM_B_ROW);
+    const int x_half = MM_ONE_ROW ? MM_B_ROW : keep_reg(n_rows_b * MM_B_ROW);
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
     int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it

@@ -353,6 +353,39 @@ def test_mm_deferred_scaling_keeps_every_bit(dev):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's deferred scaling changed bits"
 
 
+def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
+    """Decode's products run mma_matmul.cu's MM_ONE_ROW build (fused_gpu.ONE_ROW_BUILD: T = 1 a constant, so
+    the staged rows' offsets fold into the loads): every output bit-identical to the build for 1..8 rows
+    at T = 1, in every epilogue, with cut row blocks, and for a two-type launch."""
+    from kernels import fused_gpu
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(37)
+    n_out, n_in = 832, 1280
+    for qtype in (QT_Q4_K, QT_Q6_K, QT_Q8_0):
+        raw_g, raw_u = _scaled_raw(qtype, n_out, n_in, rng), _scaled_raw(qtype, n_out, n_in, rng)
+        wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
+        ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+        act, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
+        for mode in (MODE_STORE, MODE_ADD, MODE_SWIGLU):
+            got, kernels = [], []
+            for one_row in (True, False):
+                monkeypatch.setattr(fused_gpu, "ONE_ROW_BUILD", one_row)
+                if mode == MODE_SWIGLU:
+                    out = ActBuffer(xp, n_out)
+                    op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, 1, mode, ws, out_act=out)
+                    op()
+                    got.append(np.concatenate(out.read_rows(1), axis=1))
+                else:
+                    y = xp.zeros((1, n_out), dtype=xp.int64) if mode == MODE_ADD else xp.zeros((1, n_out), xp.float32)
+                    op = fg.op_mm("t", [(wg, y, 0, n_out)], act, 1, mode, ws)
+                    op()
+                    got.append(_h(xp, y))
+                kernels.append(op.kernel)
+            assert kernels[0] is not kernels[1]              # two builds
+            assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode}: the one-row build differs"
+
+
 def test_mm_half_superblock_stages_keep_every_bit(dev):
     """`MM_HALF_SB` (the verify-width A/B build: tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True) streams
     each superblock of a launch of more than 8 rows as two half stages (the units' pieces and the rows'
