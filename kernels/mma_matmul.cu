@@ -801,7 +801,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (st_rec) {
         unsigned long long g;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-        st_rec[0] = (unsigned)g; st_rec[1] = st_clock(); st_rec[4] = (unsigned)(f1 - f0); st_rec[6] = st_timer();
+        st_rec[0] = (unsigned)g; st_rec[1] = st_clock(); st_rec[4] = (unsigned)((HALF ? 2 : 1) * (f1 - f0)); st_rec[6] = st_timer();
     }
 #define ST_MARK(ptr, i, field) do { if ((ptr) && (i) < ST_STAGES) (ptr)[ST_HEAD + 4 * (i) + (field)] = st_clock(); } while (0)
 #else
