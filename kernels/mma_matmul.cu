@@ -874,11 +874,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // four tiles (STORE / ADD), or the gate pair and the up pair (SwiGLU); a run is cut short where
     // its matrix ends (the slots past it stay idle). A half stage copies pairs of tiles' pieces, which
     // a group of four tiles holds apart: two runs for STORE / ADD too.
-    constexpr int RUNS = MODE == MODE_SWIGLU ? 2 : 1, RUN_TILES = 4 / RUNS;
-    constexpr int RUNS_COPIED = HALF ? 2 : RUNS, TILES_COPIED = 4 / RUNS_COPIED;
+    constexpr int RUNS = (HALF || MODE == MODE_SWIGLU) ? 2 : 1, RUN_TILES = 4 / RUNS;
     auto issue_w = [&]() {                       // the issuer warp: lane 0 arms the barrier, the units
-        const unsigned char* src[RUNS_COPIED];
-        unsigned nb[RUNS_COPIED];
+        const unsigned char* src[RUNS];
+        unsigned nb[RUNS];
         unsigned bytes = b_bytes;
         int piece = UNIT;                        // bytes of a unit in this stage
         if constexpr (HALF) {
@@ -886,10 +885,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             piece = i_h ? G::H1 : G::H0;
         }
 #pragma unroll
-        for (int r = 0; r < RUNS_COPIED; ++r) {
+        for (int r = 0; r < RUNS; ++r) {
             int s, tile;
-            slot_tile<MODE>(i_seg, i_lrb, r * TILES_COPIED, s, tile);
-            const int n = min(TILES_COPIED, s_segs[s].n_tiles - tile);
+            slot_tile<MODE>(i_seg, i_lrb, r * RUN_TILES, s, tile);
+            const int n = min(RUN_TILES, s_segs[s].n_tiles - tile);
             if constexpr (HALF) {                // a pair's first or second pieces (unit_piece)
                 nb[r] = n > 0 ? (unsigned)(n * piece) : 0u;
                 bytes += nb[r];
@@ -905,11 +904,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (lane == 0) mbar_expect(&s_full[i_k], bytes);
         warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
-        for (int r = 0; r < RUNS_COPIED; ++r) {
+        for (int r = 0; r < RUNS; ++r) {
             if constexpr (HALF) {
-                if (nb[r]) stage_copy(st + r * TILES_COPIED * piece, src[r], nb[r], &s_full[i_k], lane);
+                if (nb[r]) stage_copy(st + r * RUN_TILES * piece, src[r], nb[r], &s_full[i_k], lane);
             } else {
-                if (nb[r]) stage_copy(st + r * TILES_COPIED * UNIT, src[r], nb[r], &s_full[i_k], lane);
+                if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
             }
         }
     };
