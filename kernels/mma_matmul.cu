@@ -172,12 +172,12 @@ struct LaneOffs {
 };
 
 // Per-type lane state for one unit (read from its shared-memory copy). Interface:
-//   load(unit, offs)            loads what the whole superblock needs (K-quants: everything)
-//   load_h<H>(piece, offs)      the same from a unit cut in two (MM_HALF_SB, below): H = 0 the piece
-//                               with k-steps 0..7's quants and the scales, H = 1 k-steps 8..15's quants
-//   H1                          bytes of the second piece: the unit's bytes [H1, 2 H1) (always the
-//                               quants of k-steps 8..15); the first piece is the rest, in order
-//   pair(unit, offs, p)         loads what k-steps 2p, 2p+1 need (Q8_0 / F16 quants; in a piece,
+//   load_h<H>(piece, offs)      loads what the superblock needs from the unit's piece H (unit_piece: a
+//                               unit lies in two pieces, H = 0 with k-steps 0..7's quants and the
+//                               scales, H = 1 with k-steps 8..15's quants; K-quants: everything)
+//   H1                          bytes of the second piece: the unit's bytes [H1, 2 H1) as repacked
+//                               (always the quants of k-steps 8..15); the first piece is the rest, in order
+//   pair(piece, offs, p)        loads what k-steps 2p, 2p+1 need from their piece (Q8_0 / F16 quants;
 //                               p mod 4)
 //   frag<S>(a)                  the A fragment of k-step S
 //   HAS_MIN / row scale d[2] (rows g, g+8) / dmin[2], amin (A of the min MMA)
@@ -220,11 +220,6 @@ struct UnitQ4K : KQuantScales {
     static constexpr bool HAS_MIN = true, SCALED = true;
     static constexpr int H1 = 1024;
     uint4 q[4];
-    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
-        load_records(u + 2048, o);
-    }
     template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
         q[2 * H] = ld128(u + o.q);
         q[2 * H + 1] = ld128(u + 512 + o.q);
@@ -255,12 +250,6 @@ struct UnitQ5K : KQuantScales {
     uint4 q[4];
     uint4 qh;
     static constexpr int H1 = 1024;
-    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
-        qh = ld128(u + 2048 + o.q);
-        load_records(u + 2560, o);
-    }
     template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
         q[2 * H] = ld128(u + o.q);
         q[2 * H + 1] = ld128(u + 512 + o.q);
@@ -300,17 +289,12 @@ struct UnitQ6K {
     float d[2], dmin[2];
     u32 amin[2];
     static constexpr int H1 = 1536;
-    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
-#pragma unroll
-        for (int i = 0; i < 6; ++i) q[i] = ld128(u + i * 512 + o.q);
-        load_scales<3072>(u, o);
-    }
     template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
 #pragma unroll
         for (int i = 0; i < 3; ++i) q[3 * H + i] = ld128(u + i * 512 + o.q);
         if (H == 0) load_scales<1536>(u, o);
     }
-    // The 16 x 16 scale bytes and the 16 d at byte OFF of the unit (3072; 1536 in a first piece).
+    // The 16 x 16 scale bytes and the 16 d at byte OFF of the first piece.
     template <int OFF> __device__ __forceinline__ void load_scales(const unsigned char* u, const LaneOffs& o) {
         const u32 s0 = ld32(u + OFF + o.r4), s1 = ld32(u + OFF + 128 + o.r4);
         d[0] = h2f(ld16(u + (OFF + 256) + o.g2));
@@ -383,13 +367,6 @@ struct UnitIQ4XS {
         cs[1][row8] = h2sub(ls1 | (ls1 << 16) | H2_1024, H2_1056); bs[1][row8] = h2mul(cs[1][row8], H2_M1152);
     }
     static constexpr int H1 = 1024;
-    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = ld128(u + i * 512 + o.q);
-        const uint4 r = ld128(u + 2048 + o.r);
-        decode(r.x, r.y, o.c, 0);
-        decode(r.z, r.w, o.c, 1);
-    }
     template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
         q[2 * H] = ld128(u + o.q);
         q[2 * H + 1] = ld128(u + 512 + o.q);
@@ -428,7 +405,6 @@ struct UnitQ8_0 {
     float d[2], dmin[2];
     u32 amin[2];
     static constexpr int H1 = 2048;
-    __device__ __forceinline__ void load(const unsigned char* u, const LaneOffs& o) { load_d<4096>(u, o); }
     template <int H> __device__ __forceinline__ void load_h(const unsigned char* u, const LaneOffs& o) {
         if (H == 0) load_d<2048>(u, o);
     }
@@ -455,7 +431,6 @@ struct UnitF16 {
     uint4 qs[2];
     float d[2], dmin[2];
     u32 amin[2];
-    __device__ __forceinline__ void load(const unsigned char*, const LaneOffs&) {}
     template <int H> __device__ __forceinline__ void load_h(const unsigned char*, const LaneOffs&) {}
     __device__ __forceinline__ void pair(const unsigned char* u, const LaneOffs& o, int p) {
         qs[0] = ld128(u + (2 * p) * 512 + o.q);
