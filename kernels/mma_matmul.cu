@@ -996,6 +996,29 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                 else acc[nt][i] = U::SCALED ? fmaf(dx[i >> 1], tmx[nt][i], acc[nt][i]) : acc[nt][i] + tmx[nt][i];
             }
     };
+    // acc += superblock's sums tm: d * tm, less dmin times the min MMA of the mins against the block sums
+    // bm (K-quants); the order every build keeps (a row's bits do not depend on the launch's width).
+    auto add_superblock = [&](const U& un, const float (&tm)[NT][4], const uint2 (&bm)[NT]) {
+        if (U::HAS_MIN) {
+            const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma16816(mn, am, bm[nt].x, bm[nt].y);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float a1 = fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]);
+                    acc[nt][i] = fmaf(-un.dmin[i >> 1], mn[i], a1);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    acc[nt][i] = U::SCALED ? fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]) : acc[nt][i] + tm[nt][i];
+        }
+    };
     const BarRef full0 = keep_bar(bar_ref(&s_full[0])), empty0 = keep_bar(bar_ref(&s_empty[0]));
     const LaneOffs lo = LaneOffs::kept(lane);    // lane offsets kept in registers for the loop
     int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
@@ -1220,25 +1243,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
                     for (int i = 0; i < 4; ++i) p_tm[nt][i] = tm[nt][i];
                 p_d[0] = un.d[0]; p_d[1] = un.d[1]; p_dmin[0] = un.dmin[0]; p_dmin[1] = un.dmin[1];
-            } else if (U::HAS_MIN) {
-                const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma16816(mn, am, bm[nt].x, bm[nt].y);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float a1 = fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]);
-                        acc[nt][i] = fmaf(-un.dmin[i >> 1], mn[i], a1);
-                    }
-                }
             } else {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        acc[nt][i] = U::SCALED ? fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]) : acc[nt][i] + tm[nt][i];
-                    }
+                add_superblock(un, tm, bm);
             }
         } else {                                 // an idle slot (a tile past its matrix's end)
             warp_sync();
@@ -1306,25 +1312,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             mm_pair<U, NT, 6, true>(un, u1, st1 + X_OFF, boff, lo, tm);
             mm_pair<U, NT, 7, true>(un, u1, st1 + X_OFF, boff, lo, tm);
             half_release(item + 1);
-            if (U::HAS_MIN) {
-                const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    float mn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma16816(mn, am, bm[nt].x, bm[nt].y);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float a1 = fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]);
-                        acc[nt][i] = fmaf(-un.dmin[i >> 1], mn[i], a1);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        acc[nt][i] = U::SCALED ? fmaf(un.d[i >> 1], tm[nt][i], acc[nt][i]) : acc[nt][i] + tm[nt][i];
-            }
+            add_superblock(un, tm, bm);
         } else {                                 // an idle slot: both halves released unread
             half_release(item);
             half_wait(item + 1);

@@ -78,6 +78,25 @@ def _rel(got, ref) -> float:
     return float(np.abs(np.asarray(got, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
+def _mm_run(fg, mode, wg, wu, act, T, ws, variant=(), y0=None):
+    """One launch of wg (SwiGLU: wg, wu) in `mode` on act's T rows -> (host output, op): SwiGLU the next
+    product's rows and block sums side by side, ADD the int64 fixed-point sums (from 0), STORE the f32 rows
+    (into a copy of y0 when given, else NaNs, so a row left unwritten shows)."""
+    xp, n_out = fg.xp, wg.n_out
+    if mode == MODE_SWIGLU:
+        out = ActBuffer(xp, n_out)
+        op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out, variant=variant)
+        op()
+        return np.concatenate(out.read_rows(T), axis=1), op
+    if mode == MODE_ADD:
+        y = xp.zeros((T, n_out), dtype=xp.int64)
+    else:
+        y = xp.array(y0) if y0 is not None else xp.full((T, n_out), np.nan, dtype=xp.float32)
+    op = fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws, variant=variant)
+    op()
+    return _h(xp, y), op
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_mm_every_type_and_width(dev, qtype):
     name, d, fg = dev
@@ -237,16 +256,7 @@ def test_mm_software_pipeline_equals_tma(dev, variant):
             act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
             base = rng.standard_normal((T, n_out)).astype(np.float32)
             for mode in (MODE_STORE, MODE_ADD, MODE_SWIGLU):
-                got = []
-                for v in ((), variant):
-                    if mode == MODE_SWIGLU:
-                        out = ActBuffer(xp, n_out)
-                        fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out, variant=v)()
-                        got.append(np.concatenate(out.read_rows(T), axis=1))
-                    else:
-                        y = xp.zeros((T, n_out), dtype=xp.int64) if mode == MODE_ADD else xp.array(base)
-                        fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws, variant=v)()
-                        got.append(_h(xp, y))
+                got = [_mm_run(fg, mode, wg, wu, act, T, ws, v, base)[0] for v in ((), variant)]
                 assert np.array_equal(got[0], got[1]), f"type {qtype} T={T} mode {mode}: {variant} differs from TMA"
 
 
@@ -326,17 +336,7 @@ def test_mm_deferred_scaling_keeps_every_bit(dev):
         ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
         for T in (1, 5):
             act, xr = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
-            base = rng.standard_normal((T, n_out)).astype(np.float32)
-            got = []
-            for v in ((), defer):
-                if mode == MODE_SWIGLU:
-                    out = ActBuffer(xp, n_out)
-                    fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, T, mode, ws, out_act=out, variant=v)()
-                    got.append(np.concatenate(out.read_rows(T), axis=1))
-                else:
-                    y = xp.zeros((T, n_out), dtype=xp.int64) if mode == MODE_ADD else xp.array(base)
-                    fg.op_mm("t", [(wg, y, 0, n_out)], act, T, mode, ws, variant=v)()
-                    got.append(_h(xp, y))
+            got = [_mm_run(fg, mode, wg, wu, act, T, ws, v)[0] for v in ((), defer)]
             assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode} T={T}: deferred scaling changed bits"
             if mode == MODE_STORE:                   # and the default is the product (not both wrong alike)
                 assert _rel(got[0], fused_ref.mm_ref(xr, raw_g, qtype, n_in)) <= MM_TOL[qtype]
@@ -371,16 +371,8 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
             got, kernels = [], []
             for one_row in (True, False):
                 monkeypatch.setattr(fused_gpu, "ONE_ROW_BUILD", one_row)
-                if mode == MODE_SWIGLU:
-                    out = ActBuffer(xp, n_out)
-                    op = fg.op_mm("t", [(wg, None, 0, 0), (wu, None, 0, 0)], act, 1, mode, ws, out_act=out)
-                    op()
-                    got.append(np.concatenate(out.read_rows(1), axis=1))
-                else:
-                    y = xp.zeros((1, n_out), dtype=xp.int64) if mode == MODE_ADD else xp.zeros((1, n_out), xp.float32)
-                    op = fg.op_mm("t", [(wg, y, 0, n_out)], act, 1, mode, ws)
-                    op()
-                    got.append(_h(xp, y))
+                out, op = _mm_run(fg, mode, wg, wu, act, 1, ws)
+                got.append(out)
                 kernels.append(op.kernel)
             assert kernels[0] is not kernels[1]              # two builds
             assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode}: the one-row build differs"
@@ -408,18 +400,8 @@ def test_mm_half_superblock_stages_keep_every_bit(dev):
         wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
         ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
         act, xr = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
-        got = []
-        for v, (g, u, a) in (((), (wg, wu, act)), (half, (wg, wu, act))):
-            if mode == MODE_SWIGLU:
-                out = ActBuffer(xp, n_out)
-                op = fg.op_mm("t", [(g, None, 0, 0), (u, None, 0, 0)], a, T, mode, ws, out_act=out, variant=v)
-                op()
-                got.append(np.concatenate(out.read_rows(T), axis=1))
-            else:
-                y = xp.zeros((T, n_out), dtype=xp.int64) if mode == MODE_ADD else xp.full((T, n_out), np.nan, xp.float32)
-                op = fg.op_mm("t", [(g, y, 0, n_out)], a, T, mode, ws, variant=v)
-                op()
-                got.append(_h(xp, y))
+        (whole, _), (halves, op) = (_mm_run(fg, mode, wg, wu, act, T, ws, v) for v in ((), half))
+        got = [whole, halves]
         assert op.smem == mm_smem_bytes(qtype, T, half=True)
         assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode} T={T}: half stages changed bits"
         if mode == MODE_STORE:                       # and both are the product
