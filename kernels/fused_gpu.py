@@ -76,7 +76,7 @@ TOPK_MAX = 4096                     # the most candidates a step hands to the ho
 MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
 MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 MM_HALF_MAX_STAGES = 4              # mma_matmul.cu MM_HALF_MAX_STAGES (the MM_HALF_SB A/B build)
-# mma_matmul.cu U::H1: bytes of a unit's second piece (k-steps 8..15's quants) in the MM_HALF_SB build
+# mma_matmul.cu U::H1: bytes of a unit's second piece (k-steps 8..15's quants: unit_piece)
 UNIT_H1 = {QT_F16: 4096, QT_Q8_0: 2048, QT_Q4_K: 1024, QT_Q5_K: 1024, QT_Q6_K: 1536, QT_IQ4_XS: 1024}
 # Every launch of more than 8 rows built with MM_HALF_SB (mma_matmul.cu): each superblock streamed as two
 # half stages, three in flight behind the one computed, where two whole stages fill a block's shared
@@ -246,7 +246,7 @@ class ActBuffer:
     """Activation rows in the tensor-core layout, superblock-major (tc_common.cuh act_index /
     xs_index): per superblock the block sums of its MAX_T rows (16 halves a row, rows in reverse
     order), then the T rows a step writes cut in halves: the T first halves (stored positions 0..127 of
-    each row: k-step pairs 0..3), then the T second halves (odd rows with the 64-byte quarters of every
+    each row: k-step pairs 0..3), then the T second halves (odd rows with the two 64-byte halves of every
     128 bytes swapped), so a launch's rows and their sums are one contiguous run, and a half-superblock
     stage's are two. `x16` [n_sb][MAX_T][256] (the rows' region; a row's halves are not where this
     shape puts them once T > 1) and `xs` [n_sb][MAX_T][16] are views of `buf`; kernels take `x16` and

@@ -477,7 +477,7 @@ __device__ __forceinline__ int xs_pos(int j) { return (j >> 3) * 16 + ((j & 7) >
 // its block), and a half-superblock stage (mma_matmul.cu MM_HALF_SB) takes the sums and the first
 // halves as one run, the second halves as another. At T = 1 this is the whole row in order. The
 // layout depends on T, which every producer knows (the rows it writes) and every reader takes from
-// the same step. Odd rows swap the 64-byte quarters of every 128 bytes (stored position ^ 32): the
+// the same step. Odd rows swap the two 64-byte halves of every 128 bytes (stored position ^ 32): the
 // two rows a quarter-warp's 16-byte B loads read then fall on different banks although the staged
 // half rows are 256 bytes apart.
 #define ACT_ROWS 32
