@@ -97,6 +97,22 @@ def _mm_run(fg, mode, wg, wu, act, T, ws, variant=(), y0=None):
     return _h(xp, y), op
 
 
+def _two_type_add(fg, rng, n_in, T, variants):
+    """One ADD launch over a Q4_K matrix and a Q6_K one (mm_tc_parts, each type on its share of the
+    grid), on the same T random rows, once per variant: the int64 sums of each run."""
+    xp = fg.xp
+    raw_a, raw_b = _scaled_raw(QT_Q4_K, 320, n_in, rng), _scaled_raw(QT_Q6_K, 192, n_in, rng)
+    wa, wb = fg.repack("a", QT_Q4_K, 320, n_in, raw_a), fg.repack("b", QT_Q6_K, 192, n_in, raw_b)
+    ws = MmWorkspace(xp, *fg.workspace_need([wa, wb], MODE_ADD))
+    act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
+    out = []
+    for v in variants:
+        y = xp.zeros((T, 512), dtype=xp.int64)
+        fg.op_mm("t", [(wa, y, 0, 512), (wb, y, 320, 512)], act, T, MODE_ADD, ws, variant=v)()
+        out.append(_h(xp, y))
+    return out
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_mm_every_type_and_width(dev, qtype):
     name, d, fg = dev
@@ -340,16 +356,7 @@ def test_mm_deferred_scaling_keeps_every_bit(dev):
             assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode} T={T}: deferred scaling changed bits"
             if mode == MODE_STORE:                   # and the default is the product (not both wrong alike)
                 assert _rel(got[0], fused_ref.mm_ref(xr, raw_g, qtype, n_in)) <= MM_TOL[qtype]
-    # two types in one launch: Q4_K rows then Q6_K rows, each part on its own share of the grid
-    raw_a, raw_b = _scaled_raw(QT_Q4_K, 320, n_in, rng), _scaled_raw(QT_Q6_K, 192, n_in, rng)
-    wa, wb = fg.repack("a", QT_Q4_K, 320, n_in, raw_a), fg.repack("b", QT_Q6_K, 192, n_in, raw_b)
-    ws = MmWorkspace(xp, *fg.workspace_need([wa, wb], MODE_ADD))
-    act, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
-    got = []
-    for v in ((), defer):
-        y = xp.zeros((1, 512), dtype=xp.int64)
-        fg.op_mm("t", [(wa, y, 0, 512), (wb, y, 320, 512)], act, 1, MODE_ADD, ws, variant=v)()
-        got.append(_h(xp, y))
+    got = _two_type_add(fg, rng, n_in, 1, ((), defer))
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's deferred scaling changed bits"
 
 
@@ -376,6 +383,11 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
                 kernels.append(op.kernel)
             assert kernels[0] is not kernels[1]              # two builds
             assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode}: the one-row build differs"
+    got = []
+    for one_row in (True, False):
+        monkeypatch.setattr(fused_gpu, "ONE_ROW_BUILD", one_row)
+        got += _two_type_add(fg, np.random.default_rng(41), n_in, 1, ((),))
+    assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
 def test_mm_half_superblock_stages_keep_every_bit(dev):
@@ -407,16 +419,7 @@ def test_mm_half_superblock_stages_keep_every_bit(dev):
         if mode == MODE_STORE:                       # and both are the product
             assert _rel(got[1], fused_ref.mm_ref(xr, raw_g, qtype, n_in)) <= MM_TOL[qtype]
     assert mm_smem_bytes(QT_Q4_K, 23, half=True) == 4 * 11776            # four half stages at the 27B's verify width
-    # two types in one launch (mm_tc_parts): both parts in pieces
-    raw_a, raw_b = _scaled_raw(QT_Q4_K, 320, n_in, rng), _scaled_raw(QT_Q6_K, 192, n_in, rng)
-    wa, wb = fg.repack("a", QT_Q4_K, 320, n_in, raw_a), fg.repack("b", QT_Q6_K, 192, n_in, raw_b)
-    ws = MmWorkspace(xp, *fg.workspace_need([wa, wb], MODE_ADD))
-    act, _ = _act(fg, rng.standard_normal((23, n_in)).astype(np.float32), n_in)
-    got = []
-    for v in ((), half):
-        y = xp.zeros((23, 512), dtype=xp.int64)
-        fg.op_mm("t", [(wa, y, 0, 512), (wb, y, 320, 512)], act, 23, MODE_ADD, ws, variant=v)()
-        got.append(_h(xp, y))
+    got = _two_type_add(fg, rng, n_in, 23, ((), half))
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's half stages changed bits"
 
 
