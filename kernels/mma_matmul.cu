@@ -969,33 +969,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     }
 
     float acc[NT][4];
-    // MM_DEFER_SCALE (T <= 8, for A/Bs; default off): a superblock's scaling into acc waits until the
-    // next superblock's units have been asked of shared memory. A warp issues in order, so the FFMAs
-    // after a stage's last MMA stall until that MMA's result is back, and only then does the warp reach
-    // the next stage's wait and loads: deferred, the drain overlaps those loads. acc takes the same
-    // fmaf sequence in the same order (bits unchanged); it costs the pending tm, min sums and scales
-    // in registers (12 at Q4_K: SwiGLU 83 -> ~95 of the 96 that four blocks of five warps allow).
-#ifndef MM_DEFER_SCALE
-#define MM_DEFER_SCALE 0
-#endif
-    constexpr bool DEFER = MM_DEFER_SCALE && SEPARATE;
-    float p_tm[NT][4], p_mn[NT][4], p_d[2], p_dmin[2];      // the pending superblock (DEFER)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) p_tm[nt][i] = p_mn[nt][i] = 0.0f;
-    p_d[0] = p_d[1] = p_dmin[0] = p_dmin[1] = 0.0f;
-    // acc += the pending superblock, exactly as the undeferred code adds it.
-    auto scale_into_acc = [&](const float (&tmx)[NT][4], const float (&mnx)[NT][4], const float (&dx)[2],
-                              const float (&dminx)[2]) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (U::HAS_MIN) acc[nt][i] = fmaf(-dminx[i >> 1], mnx[nt][i], fmaf(dx[i >> 1], tmx[nt][i], acc[nt][i]));
-                else acc[nt][i] = U::SCALED ? fmaf(dx[i >> 1], tmx[nt][i], acc[nt][i]) : acc[nt][i] + tmx[nt][i];
-            }
-    };
     // acc += superblock's sums tm: d * tm, less dmin times the min MMA of the mins against the block sums
     // bm (K-quants); the order every build keeps (a row's bits do not depend on the launch's width).
     auto add_superblock = [&](const U& un, const float (&tm)[NT][4], const uint2 (&bm)[NT]) {
@@ -1177,7 +1150,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
     };
     // Superblock f in stage k: wait for it, add its products to acc, release the stage.
-    auto run_stage = [&](int f, bool pending) {
+    auto run_stage = [&](int f) {
         // Warp 0 as the issuer refills the stage of superblock f - 1 (never f's own: it would wait
         // on itself) once every warp has released it.
         if (BARRIER_PIPE) {
@@ -1201,7 +1174,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             U un;
             un.template load_h<0>(us, lo);
             un.template load_h<1>(us1, lo);
-            if (DEFER && pending) scale_into_acc(p_tm, p_mn, p_d, p_dmin);    // behind the loads just asked
             const unsigned char* sb_x = st + X_OFF;          // the rows' first halves, then their second
             const unsigned char* sb_x1 = sb_x + x_half;
             float tm[NT][4];
@@ -1228,24 +1200,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             warp_sync();                         // every lane's reads of the stage are done
             if (lane == 0) mbar_arrive(bar_at(empty0, k));
             ST_MARK(st_rec, f - f0, 3);
-            if (DEFER) {                         // scaled at the next stage (or the row block's end)
-                if (U::HAS_MIN) {
-                    const u32 am[4] = {un.amin[0], un.amin[1], un.amin[0], un.amin[1]};
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) p_mn[nt][i] = 0.0f;
-                        mma16816(p_mn[nt], am, bm[nt].x, bm[nt].y);
-                    }
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) p_tm[nt][i] = tm[nt][i];
-                p_d[0] = un.d[0]; p_d[1] = un.d[1]; p_dmin[0] = un.dmin[0]; p_dmin[1] = un.dmin[1];
-            } else {
-                add_superblock(un, tm, bm);
-            }
+            add_superblock(un, tm, bm);
         } else {                                 // an idle slot (a tile past its matrix's end)
             warp_sync();
             if (lane == 0) mbar_arrive(bar_at(empty0, k));
@@ -1359,11 +1314,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             if (++sb == n_sb) { sb = 0; ++rb; }
         };
         for (int f = f0; f < f1; ++f, next_sb()) {
-            const bool first = f == f0 || sb == 0;
-            if (first) new_row_block();
-            run_stage(f, !first);
+            if (f == f0 || sb == 0) new_row_block();
+            run_stage(f);
             if (sb != n_sb - 1 && f != f1 - 1) continue;
-            if (DEFER && ok) scale_into_acc(p_tm, p_mn, p_d, p_dmin);   // the row block's last superblock here
             end_row_block(k);
         }
     } else {
@@ -1378,7 +1331,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                     run_stage_half(f);           // (advances the ring twice)
                     continue;
                 }
-                run_stage(f, false);
+                run_stage(f);
                 if (++k == n_stages) { k = 0; phase ^= 1u; }
             }
             end_row_block(k == 0 ? n_stages - 1 : k - 1);

@@ -329,37 +329,6 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
             d.block_order(False)
 
 
-def test_mm_deferred_scaling_keeps_every_bit(dev):
-    """`MM_DEFER_SCALE` (a decode-width A/B build, tests/bench/ab_bench.sh def:MM_DEFER_SCALE=1) adds each
-    superblock's scaled sums into the accumulator one stage late, behind the next stage's loads, so
-    that a warp's last MMA of a stage is not waited for before the next stage starts. The accumulator
-    must take the same fmaf sequence: every output bit-identical to the default build in every
-    epilogue, for types with and without mins and scales, on a shape whose row blocks are cut between
-    stripes (the pending superblock is added before a cut row block's partial leaves the block), and
-    a two-type launch (both parts defer)."""
-    name, d, fg = dev
-    xp = fg.xp
-    rng = np.random.default_rng(29)
-    n_out, n_in = 832, 1280                          # 13 row blocks of 5 superblocks; cut on the emulator's 16 blocks
-    defer = ("MM_DEFER_SCALE=1",)
-    cases = [(QT_Q4_K, MODE_STORE), (QT_Q4_K, MODE_ADD), (QT_Q4_K, MODE_SWIGLU), (QT_Q6_K, MODE_STORE),
-             (QT_Q6_K, MODE_ADD), (QT_Q8_0, MODE_STORE), (QT_F16, MODE_STORE)]
-    if name != "emu":
-        cases += [(QT_Q5_K, MODE_STORE), (QT_IQ4_XS, MODE_STORE), (QT_Q6_K, MODE_SWIGLU)]
-    for qtype, mode in cases:
-        raw_g, raw_u = _scaled_raw(qtype, n_out, n_in, rng), _scaled_raw(qtype, n_out, n_in, rng)
-        wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
-        ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
-        for T in (1, 5):
-            act, xr = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
-            got = [_mm_run(fg, mode, wg, wu, act, T, ws, v)[0] for v in ((), defer)]
-            assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode} T={T}: deferred scaling changed bits"
-            if mode == MODE_STORE:                   # and the default is the product (not both wrong alike)
-                assert _rel(got[0], fused_ref.mm_ref(xr, raw_g, qtype, n_in)) <= MM_TOL[qtype]
-    got = _two_type_add(fg, rng, n_in, 1, ((), defer))
-    assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's deferred scaling changed bits"
-
-
 def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     """Decode's products run mma_matmul.cu's MM_ONE_ROW build (fused_gpu.ONE_ROW_BUILD: T = 1 a constant, so
     the staged rows' offsets fold into the loads): every output bit-identical to the build for 1..8 rows
