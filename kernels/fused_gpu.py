@@ -75,14 +75,6 @@ TOPK_THREADS = 512                  # fused.cu TOPK_THREADS
 TOPK_MAX = 4096                     # the most candidates a step hands to the host sampler
 MM_SMEM_TARGET = 46 * 1024          # stages per thread block: four blocks per multiprocessor
 MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
-MM_HALF_MAX_STAGES = 4              # mma_matmul.cu MM_HALF_MAX_STAGES (the MM_HALF_SB A/B build)
-# mma_matmul.cu U::H1: bytes of a unit's second piece (k-steps 8..15's quants: unit_piece)
-UNIT_H1 = {QT_F16: 4096, QT_Q8_0: 2048, QT_Q4_K: 1024, QT_Q5_K: 1024, QT_Q6_K: 1536, QT_IQ4_XS: 1024}
-# Every launch of more than 8 rows built with MM_HALF_SB (mma_matmul.cu): each superblock streamed as two
-# half stages, three in flight behind the one computed, where two whole stages fill a block's shared
-# memory at T = 23. The same bits as whole stages (tests/test_fused_kernels.py, tests/test_gpu_step.py);
-# off until the H200 says it is faster (tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True).
-WIDE_HALF_STAGES = False
 # Launches of one row (decode's products) use mma_matmul.cu's MM_ONE_ROW build: T and the offsets it sets
 # are constants (the second halves of the staged rows 256 bytes on), the same arithmetic. ab_bench.sh
 # def:ONE_ROW_BUILD=False times the general build at T = 1.
@@ -140,17 +132,13 @@ def prep_cluster_cols(K: int, n_rows: int, col_blocks: int | None = None) -> int
     return cpb * PREP_COLS
 
 
-def mm_smem_bytes(qtype: int, T: int, stages: int | None = None, half: bool = False) -> int:
-    """Dynamic shared memory of an mm_tc launch of T rows (mma_matmul.cu MmGeom: stages x stage;
-    half: the MM_HALF_SB build's half-superblock stages, stage_h / stages_h)."""
+def mm_smem_bytes(qtype: int, T: int, stages: int | None = None) -> int:
+    """Dynamic shared memory of an mm_tc launch of T rows (mma_matmul.cu MmGeom: stages x stage)."""
     has_min = qtype in (12, 13)
-    if half:
-        stage = 4 * (UNIT_BYTES[qtype] - UNIT_H1[qtype]) + T * MM_B_ROW + (T * 32 if has_min else 0)
-    else:
-        stage = 4 * UNIT_BYTES[qtype] + T * MM_B_ROW * 2 + (T * 32 if has_min else 0)
+    stage = 4 * UNIT_BYTES[qtype] + T * MM_B_ROW * 2 + (T * 32 if has_min else 0)
     stage = (stage + 127) // 128 * 128
     if stages is None:
-        stages = max(2, min(MM_HALF_MAX_STAGES if half else MM_MAX_STAGES, MM_SMEM_TARGET // stage))
+        stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
     return stages * stage
 
 
@@ -247,8 +235,7 @@ class ActBuffer:
     xs_index): per superblock the block sums of its MAX_T rows (16 halves a row, rows in reverse
     order), then the T rows a step writes cut in halves: the T first halves (stored positions 0..127 of
     each row: k-step pairs 0..3), then the T second halves (odd rows with the two 64-byte halves of every
-    128 bytes swapped), so a launch's rows and their sums are one contiguous run, and a half-superblock
-    stage's are two. `x16` [n_sb][MAX_T][256] (the rows' region; a row's halves are not where this
+    128 bytes swapped), so a launch's rows and their sums are one contiguous run. `x16` [n_sb][MAX_T][256] (the rows' region; a row's halves are not where this
     shape puts them once T > 1) and `xs` [n_sb][MAX_T][16] are views of `buf`; kernels take `x16` and
     `buf` (the sums' base) as pointers. Allocated zeroed; columns past K are never written, so they stay
     zero (the weights there are zero too). `write_rows` / `read_rows` convert from / to the row-major
@@ -475,8 +462,6 @@ class FusedGpu:
             raise ValueError(f"{label}: workspace too small")
         if getattr(self.dev, "name", "") == "hip" and "MM_ISSUER_WARP=0" not in variant:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
-        if WIDE_HALF_STAGES and nt > 1 and "MM_HALF_SB=1" not in variant:
-            variant = tuple(variant) + ("MM_HALF_SB=1",)
         if ONE_ROW_BUILD and T == 1 and "MM_ONE_ROW=1" not in variant:
             variant = tuple(variant) + ("MM_ONE_ROW=1",)
         second = (f"MM_QT2={types[1]}",) if len(types) > 1 else ()
@@ -484,8 +469,7 @@ class FusedGpu:
                        + tuple(variant))
         stages = _variant_int(variant, "MM_STAGES", None)
         separate_issuer = nt == 1 and "MM_ISSUER_WARP=0" not in variant      # mma_matmul.cu MM_SEPARATE_ISSUER
-        half = bool(_variant_int(variant, "MM_HALF_SB", 0)) and not separate_issuer
-        smem = max(mm_smem_bytes(t, T, stages, half) for t in types)
+        smem = max(mm_smem_bytes(t, T, stages) for t in types)
         # benchmarks: MM_SMEM_EXTRA=N pads the launch's shared memory (fewer blocks a multiprocessor)
         smem += _variant_int(variant, "MM_SMEM_EXTRA", 0)
         self._smem(kern, smem)

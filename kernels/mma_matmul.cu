@@ -455,8 +455,8 @@ template <> struct UnitOf<QT_F16> { typedef UnitF16 T; };
 // each pair of tiles 2i, 2i+1 of a superblock is [first piece of 2i, of 2i+1][second piece of 2i, of
 // 2i+1], the pairs laid out as unit_index lays out tiles: so a pair of tiles is 2 UNIT contiguous
 // bytes (a SwiGLU row block's gate or up pair: one bulk copy a stage), a group of four tiles 4 UNIT
-// (a STORE / ADD row block), and the pair's first or second pieces are contiguous too (one copy a
-// half-superblock stage: MM_HALF_SB).
+// (a STORE / ADD row block). (The cut was made for half-superblock stages, which the H200 measured
+// slower and which are gone: GPU_NOTES, thirty-seventh session.)
 template <int QT> __device__ __forceinline__ long long unit_piece(int tile, int sb, int n_sb, int h) {
     constexpr int UNIT = UnitBytes<QT>::v, H1 = UnitOf<QT>::T::H1, H0 = UNIT - H1;
     const long long pair = (((long long)(tile >> 2) * n_sb + sb) * 4 + (tile & 2)) * UNIT;
@@ -473,33 +473,11 @@ __device__ __forceinline__ float silu_f(float z) { return z / (1.0f + expf(-z));
 #define MM_B_ROW 256                       // halves per staged activation row
 #define MM_SMEM_TARGET (46 * 1024)         // stages per block: four blocks (with their static smem) per SM
 #define MM_MAX_STAGES 3                    // H200, bench_mm_gpu.py: 3 stages beat 4 and 5 (by 2-7%) at T = 1
-// MM_HALF_SB (wide launches, T > 8; kernels/fused_gpu.py WIDE_HALF_STAGES, off until measured): each
-// superblock streams as two stages of half its bytes, so that four blocks a multiprocessor keep three
-// half stages in flight behind the one computed where they keep one whole stage (two of 21.7 KB fill a
-// block's 46 KB at T = 23). A stage then holds the first or the second pieces of the row block's units
-// (unit_piece: k-steps 0..7's quants with the scales, or k-steps 8..15's quants) and the first or second
-// halves of the activation rows (pairs 0..3 or 4..7: tc_common.cuh act_index). The MMAs and the scaling
-// are the whole-stage build's, in its order, so rows keep their bits (tests/test_fused_kernels.py).
-#ifndef MM_HALF_SB
-#define MM_HALF_SB 0
-#endif
-#define MM_HALF_MAX_STAGES 4
 template <int QT> struct MmGeom {
     static constexpr int UNIT = UnitBytes<QT>::v;
     static constexpr int A_BYTES = 4 * UNIT;
-    static constexpr int H1 = UnitOf<QT>::T::H1, H0 = UNIT - H1;     // a unit's two pieces (MM_HALF_SB)
+    static constexpr int H1 = UnitOf<QT>::T::H1, H0 = UNIT - H1;     // a unit's two pieces (unit_piece)
     static constexpr bool HAS_MIN = UnitOf<QT>::T::HAS_MIN;
-    __device__ static int a_bytes(bool half) { return half ? 4 * H0 : A_BYTES; }
-    __device__ static int x_off_h(int n_rows) { return 4 * H0 + (HAS_MIN ? n_rows * 32 : 0); }
-    __device__ static int stage_h(int n_rows) { return (x_off_h(n_rows) + n_rows * MM_B_ROW + 127) & ~127; }
-    __device__ static int stages_h(int n_rows) {
-#ifdef MM_STAGES
-        return MM_STAGES;
-#else
-        const int n = MM_SMEM_TARGET / stage_h(n_rows);
-        return n < 2 ? 2 : (n > MM_HALF_MAX_STAGES ? MM_HALF_MAX_STAGES : n);
-#endif
-    }
     // A stage: the 4 units, the rows' block sums (K-quants with mins; rows in reverse order), the rows
     // (tc_common.cuh ACT_SB: sums and rows are one run in the activation buffer, one bulk copy).
     __device__ static int x_off(int n_rows) { return A_BYTES + (HAS_MIN ? n_rows * 32 : 0); }
@@ -566,13 +544,14 @@ __device__ __forceinline__ unsigned* st_record() {    // this block's record, or
 // boff[nt][P & 1]: byte offset of this lane's 16 bytes of pair P (minus 64 P) in the staged row
 // behind MMA column g of tile nt (columns past T repeat the last row): odd rows hold pair P at
 // (P ^ 1) * 64 bytes (act_index), so even and odd P get their own offset, fixed per launch.
-// PIECE (MM_HALF_SB): the stage holds half a superblock, each row's half with pairs P & ~3 ..,
-// so pair P sits at (P & 3) * 64 and a piece's quants are planes of pair P & 3.
-template <typename U, int NT, int P, bool PIECE = false>
+// A staged row is [first half][second half] (act_index: pairs 0..3, then 4..7, sb_x pointing at the
+// half) and ub is the unit's first or second piece (unit_piece), so pair P sits at (P & 3) * 64 in its
+// half and its quants are the piece's planes of pair P & 3.
+template <typename U, int NT, int P>
 __device__ __forceinline__ void mm_pair(U& un, const unsigned char* ub, const unsigned char* sb_x, const int (&boff)[NT][2],
                                         const LaneOffs& lo, float (&tm)[NT][4]) {
     uint4 bq[NT];
-    constexpr int PA = PIECE ? (P & 3) : P;      // the pair's place in the stage
+    constexpr int PA = P & 3;                    // the pair's place in its half of the stage
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #ifdef MM_B_ONE_LOAD      // timing only (wrong results): every column tile reuses tile 0's activations, so a
@@ -743,10 +722,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     static_assert(!MM_ONE_ROW || NT == 1, "a one-row build is a build of one column tile");
     const int T = MM_ONE_ROW ? 1 : T_launch;
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
-    constexpr bool HALF = MM_HALF_SB && !MM_SEPARATE_ISSUER(NT);      // a superblock as two stages (above)
-    const int STAGE = keep_reg(HALF ? G::stage_h(n_rows_b) : G::stage(n_rows_b));
-    const int n_stages = HALF ? G::stages_h(n_rows_b) : G::stages(n_rows_b);
-    const int X_OFF = keep_reg(HALF ? G::x_off_h(n_rows_b) : G::x_off(n_rows_b));
+    const int STAGE = keep_reg(G::stage(n_rows_b));
+    const int n_stages = G::stages(n_rows_b);
+    const int X_OFF = keep_reg(G::x_off(n_rows_b));
     int brow[NT];                                // MMA columns past T read the last real row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) brow[nt] = min(nt * 8 + g, n_rows_b - 1);
@@ -776,7 +754,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (st_rec) {
         unsigned long long g;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-        st_rec[0] = (unsigned)g; st_rec[1] = st_clock(); st_rec[4] = (unsigned)((HALF ? 2 : 1) * (f1 - f0)); st_rec[6] = st_timer();
+        st_rec[0] = (unsigned)g; st_rec[1] = st_clock(); st_rec[4] = (unsigned)(f1 - f0); st_rec[6] = st_timer();
     }
 #define ST_MARK(ptr, i, field) do { if ((ptr) && (i) < ST_STAGES) (ptr)[ST_HEAD + 4 * (i) + (field)] = st_clock(); } while (0)
 #else
@@ -821,7 +799,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #endif
     constexpr bool BARRIER_PIPE = !SEPARATE && MM_BARRIER_PIPE;
     static_assert(!SRES_IN_STAGE || BARRIER_PIPE, "result rows in a stage need the block-barrier pipeline");
-    static_assert(!HALF || BARRIER_PIPE, "half-superblock stages run on the block-barrier pipeline");
     __shared__ MmSeg s_segs[4];
     __shared__ __align__(8) unsigned long long s_full[8];
     __shared__ __align__(8) unsigned long long s_empty[8];
@@ -839,82 +816,42 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int n_rows_copy = n_rows_b;
 #endif
     const unsigned b_bytes = (unsigned)n_rows_copy * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
-    // MM_HALF_SB: the first half stage takes the sums and the rows' first halves, the second the rest
-    const unsigned b_bytes_h1 = (unsigned)n_rows_copy * 256u, b_bytes_h0 = b_bytes - b_bytes_h1;
-    int i_h = 0;                                 // (HALF) the issuer's half of superblock i_f
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
     // The row block's units of one superblock as runs of consecutive tiles (unit_piece): one run of
     // four tiles (STORE / ADD), or the gate pair and the up pair (SwiGLU); a run is cut short where
-    // its matrix ends (the slots past it stay idle). A half stage copies pairs of tiles' pieces, which
-    // a group of four tiles holds apart: two runs for STORE / ADD too.
-    constexpr int RUNS = (HALF || MODE == MODE_SWIGLU) ? 2 : 1, RUN_TILES = 4 / RUNS;
+    // its matrix ends (the slots past it stay idle).
+    constexpr int RUNS = MODE == MODE_SWIGLU ? 2 : 1, RUN_TILES = 4 / RUNS;
     auto issue_w = [&]() {                       // the issuer warp: lane 0 arms the barrier, the units
         const unsigned char* src[RUNS];
         unsigned nb[RUNS];
         unsigned bytes = b_bytes;
-        int piece = UNIT;                        // bytes of a unit in this stage
-        if constexpr (HALF) {
-            bytes = i_h ? b_bytes_h1 : b_bytes_h0;
-            piece = i_h ? G::H1 : G::H0;
-        }
 #pragma unroll
-        for (int r = 0; r < RUNS; ++r) {
+        for (int r = 0; r < RUNS; ++r) {         // whole pairs of tiles (a matrix's last one padded)
             int s, tile;
             slot_tile<MODE>(i_seg, i_lrb, r * RUN_TILES, s, tile);
             const int n = min(RUN_TILES, s_segs[s].n_tiles - tile);
-            if constexpr (HALF) {                // a pair's first or second pieces (unit_piece)
-                nb[r] = n > 0 ? (unsigned)(n * piece) : 0u;
-                bytes += nb[r];
-                src[r] = (const unsigned char*)s_segs[s].w + unit_piece<QT>(tile, i_sb, n_sb, i_h);
-            } else {                             // whole pairs of tiles (a matrix's last one padded)
-                nb[r] = n > 0 ? (unsigned)((n + 1) & ~1) * UNIT : 0u;
-                bytes += nb[r];
-                src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile, i_sb, n_sb) * UNIT;
-            }
+            nb[r] = n > 0 ? (unsigned)((n + 1) & ~1) * UNIT : 0u;
+            bytes += nb[r];
+            src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile, i_sb, n_sb) * UNIT;
         }
         unsigned char* st = smem + i_k * STAGE;
-        ST_MARK(st_iss, HALF ? 2 * (i_f - f0) + i_h : i_f - f0, 0);
+        ST_MARK(st_iss, i_f - f0, 0);
         if (lane == 0) mbar_expect(&s_full[i_k], bytes);
         warp_sync();                             // announced before any lane's bytes count off
 #pragma unroll
-        for (int r = 0; r < RUNS; ++r) {
-            if constexpr (HALF) {
-                if (nb[r]) stage_copy(st + r * RUN_TILES * piece, src[r], nb[r], &s_full[i_k], lane);
-            } else {
-                if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
-            }
-        }
+        for (int r = 0; r < RUNS; ++r)
+            if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[i_k], lane);
     };
-    auto issue_x = [&](int k, int sb, int h) {   // the issuer warp: superblock sb of the T rows (and their sums)
+    auto issue_x = [&](int k, int sb) {          // the issuer warp: superblock sb of the T rows (and their sums)
         unsigned char* st = smem + k * STAGE;
-        if constexpr (HALF) {                    // the sums and the rows' first halves, or the second halves
-            if (h)
-                stage_copy(st + X_OFF, x16 + (size_t)sb * ACT_SB + n_rows_b * (MM_B_ROW / 2), b_bytes_h1, &s_full[k], lane);
-            else if (U::HAS_MIN)
-                stage_copy(st + 4 * G::H0, xs + (size_t)sb * ACT_SB + (ACT_ROWS - n_rows_b) * 16, b_bytes_h0, &s_full[k],
-                           lane);
-            else
-                stage_copy(st + 4 * G::H0, x16 + (size_t)sb * ACT_SB, b_bytes_h0, &s_full[k], lane);
-        } else if (U::HAS_MIN) {
+        if (U::HAS_MIN)
             stage_copy(st + G::A_BYTES, xs + (size_t)sb * ACT_SB + (ACT_ROWS - n_rows_b) * 16, b_bytes, &s_full[k], lane);
-        } else {
+        else
             stage_copy(st + G::A_BYTES, x16 + (size_t)sb * ACT_SB, b_bytes, &s_full[k], lane);
-        }
     };
     auto advance = [&]() {
-        if constexpr (HALF) {
-            if (i_h == 0) {                      // the same superblock's second half next
-                i_h = 1;
-                if (++i_k == n_stages) {
-                    i_k = 0;
-                    ++i_round;
-                }
-                return;
-            }
-            i_h = 0;
-        }
         ++i_f;
         if (++i_k == n_stages) {
             i_k = 0;
@@ -931,13 +868,13 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     auto issue_next = [&]() {
         if (!BARRIER_PIPE && i_round > 0) mbar_wait(&s_empty[i_k], (unsigned)(i_round - 1) & 1u);
         issue_w();
-        issue_x(i_k, i_sb, i_h);
+        issue_x(i_k, i_sb);
         advance();
     };
 
     // Weights do not depend on the previous kernel: the first stages' are requested before
     // waiting for it (programmatic dependent launch), the activations after.
-    const int n_pro = min(BARRIER_PIPE ? n_stages - 1 : n_stages, (HALF ? 2 : 1) * (f1 - f0));
+    const int n_pro = min(BARRIER_PIPE ? n_stages - 1 : n_stages, f1 - f0);
     if (warp == ISSUER) {
         for (int k = 0; k < n_pro; ++k) {
             issue_w();
@@ -949,13 +886,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (st_rec) { st_rec[2] = st_clock(); st_rec[5] = (unsigned)n_stages; }
 #endif
     if (warp == ISSUER) {
-        int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb, hk = 0;
+        int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
         for (int k = 0; k < n_pro; ++k) {
-            issue_x(k, sbk, hk);
-            if constexpr (HALF) {
-                hk ^= 1;
-                if (hk) continue;
-            }
+            issue_x(k, sbk);
             if (++sbk == n_sb) sbk = 0;
         }
     }
@@ -996,11 +929,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const LaneOffs lo = LaneOffs::kept(lane);    // lane offsets kept in registers for the loop
     int xs_lane[NT];                             // byte offset of this lane's block sums of tile nt
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(G::a_bytes(HALF) + (n_rows_b - 1 - brow[nt]) * 32 + c * 8);
-    // This warp's unit in a stage: a whole superblock's stage holds its row block's pairs of tiles as
-    // copied (unit_piece: [first pieces][second pieces] a pair), a half stage the four tiles' pieces
-    // side by side. x_half: where the staged rows' second halves start (after the T first halves).
-    const int w_off = keep_reg(HALF ? warp * G::H0 : (warp >> 1) * 2 * UNIT + (warp & 1) * G::H0);
+    for (int nt = 0; nt < NT; ++nt) xs_lane[nt] = keep_reg(G::A_BYTES + (n_rows_b - 1 - brow[nt]) * 32 + c * 8);
+    // This warp's unit in a stage: the stage holds its row block's pairs of tiles as copied (unit_piece:
+    // [first pieces][second pieces] a pair); w_off / w_off1: the unit's first and second piece.
+    // x_half: where the staged rows' second halves start (after the T first halves).
+    const int w_off = keep_reg((warp >> 1) * 2 * UNIT + (warp & 1) * G::H0);
     const int w_off1 = keep_reg((warp >> 1) * 2 * UNIT + 2 * G::H0 + (warp & 1) * G::H1);
     const int x_half = MM_ONE_ROW ? MM_B_ROW : keep_reg(n_rows_b * MM_B_ROW);
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
@@ -1181,14 +1114,14 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
-            mm_pair<U, NT, 0, true>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 1, true>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 2, true>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 3, true>(un, us, sb_x, boff, lo, tm);
-            mm_pair<U, NT, 4, true>(un, us1, sb_x1, boff, lo, tm);
-            mm_pair<U, NT, 5, true>(un, us1, sb_x1, boff, lo, tm);
-            mm_pair<U, NT, 6, true>(un, us1, sb_x1, boff, lo, tm);
-            mm_pair<U, NT, 7, true>(un, us1, sb_x1, boff, lo, tm);
+            mm_pair<U, NT, 0>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 1>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 2>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 3>(un, us, sb_x, boff, lo, tm);
+            mm_pair<U, NT, 4>(un, us1, sb_x1, boff, lo, tm);
+            mm_pair<U, NT, 5>(un, us1, sb_x1, boff, lo, tm);
+            mm_pair<U, NT, 6>(un, us1, sb_x1, boff, lo, tm);
+            mm_pair<U, NT, 7>(un, us1, sb_x1, boff, lo, tm);
             uint2 bm[NT];                        // the min term's block sums: the stage's last bytes read
             if (U::HAS_MIN)
 #pragma unroll
@@ -1210,69 +1143,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         warp_sync();
         if (lane == 0) mbar_arrive(bar_at(empty0, k));
         ST_MARK(st_rec, f - f0, 3);
-#endif
-    };
-    // MM_HALF_SB: superblock f as two ring stages (its items 2 (f - f0) and 2 (f - f0) + 1), each behind
-    // the block barrier at which warp 0 refills the stage left before it, as run_stage does for a whole
-    // superblock; the MMAs, the min term and the scaling are run_stage's, in its order.
-    auto half_wait = [&](int item) {
-        __syncthreads();
-        if (warp == ISSUER && i_f < f1) issue_next();
-        if (MM_WIDE_TRIGGER_AHEAD >= 0 && warp == ISSUER && i_f >= f1 - MM_WIDE_TRIGGER_AHEAD)
-            trigger_dependents();
-        ST_MARK(st_rec, item, 1);
-        mbar_wait(bar_at(full0, k), phase);
-        ST_MARK(st_rec, item, 2);
-    };
-    auto half_release = [&](int item) {
-        warp_sync();                             // every lane's reads of the stage are done
-        if (lane == 0) mbar_arrive(bar_at(empty0, k));
-        ST_MARK(st_rec, item, 3);
-        if (++k == n_stages) { k = 0; phase ^= 1u; }
-    };
-    auto run_stage_half = [&](int f) {
-        const int item = 2 * (f - f0);
-        half_wait(item);
-#ifdef MM_NO_COMPUTE      // benchmarks: the pipeline's loads alone
-        if (smem[k * STAGE + tid] == 0xff && smem[k * STAGE + tid + 1] == 0x17) acc[0][0] += 1.0f;
-        half_release(item);
-        half_wait(item + 1);
-        if (smem[k * STAGE + tid] == 0xff && smem[k * STAGE + tid + 1] == 0x17) acc[0][0] += 1.0f;
-        half_release(item + 1);
-#else
-        if (ok) {
-            const unsigned char* st = smem + k * STAGE;
-            U un;
-            un.template load_h<0>(st + w_off, lo);
-            float tm[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) tm[nt][i] = 0.0f;
-            mm_pair<U, NT, 0, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
-            mm_pair<U, NT, 1, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
-            mm_pair<U, NT, 2, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
-            mm_pair<U, NT, 3, true>(un, st + w_off, st + X_OFF, boff, lo, tm);
-            uint2 bm[NT];                        // the min term's block sums ride in the first half
-            if (U::HAS_MIN)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) bm[nt] = *(const uint2*)(st + xs_lane[nt]);
-            half_release(item);
-            half_wait(item + 1);
-            const unsigned char* st1 = smem + k * STAGE;
-            const unsigned char* u1 = st1 + warp * G::H1;
-            un.template load_h<1>(u1, lo);
-            mm_pair<U, NT, 4, true>(un, u1, st1 + X_OFF, boff, lo, tm);
-            mm_pair<U, NT, 5, true>(un, u1, st1 + X_OFF, boff, lo, tm);
-            mm_pair<U, NT, 6, true>(un, u1, st1 + X_OFF, boff, lo, tm);
-            mm_pair<U, NT, 7, true>(un, u1, st1 + X_OFF, boff, lo, tm);
-            half_release(item + 1);
-            add_superblock(un, tm, bm);
-        } else {                                 // an idle slot: both halves released unread
-            half_release(item);
-            half_wait(item + 1);
-            half_release(item + 1);
-        }
 #endif
     };
     // The row block's part in this stripe is done: a row block wholly in this stripe is written at
@@ -1327,10 +1197,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             new_row_block();
             const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    // the row block's last superblock here, + 1
             for (; f < f_end; ++f) {
-                if (HALF) {
-                    run_stage_half(f);           // (advances the ring twice)
-                    continue;
-                }
                 run_stage(f);
                 if (++k == n_stages) { k = 0; phase ^= 1u; }
             }

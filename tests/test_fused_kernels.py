@@ -359,39 +359,6 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
-def test_mm_half_superblock_stages_keep_every_bit(dev):
-    """`MM_HALF_SB` (the verify-width A/B build: tests/bench/ab_bench.sh def:WIDE_HALF_STAGES=True) streams
-    each superblock of a launch of more than 8 rows as two half stages (the units' pieces and the rows'
-    halves, mma_matmul.cu unit_piece / tc_common.cuh act_index), so four blocks a multiprocessor keep
-    three halves in flight where they keep one whole stage. Every output must equal the whole-stage
-    build's bit for bit: the same MMAs, min term and scaling in the same order, in every epilogue, every
-    type, cut row blocks, result rows kept in a stage (T > 24), and a two-type launch. The launch takes
-    the half stages' shared memory (four stages at T = 23)."""
-    from kernels.fused_gpu import mm_smem_bytes
-    name, d, fg = dev
-    xp = fg.xp
-    rng = np.random.default_rng(31)
-    n_out, n_in = 832, 1280                          # cut row blocks on the emulator's 16 blocks
-    half = ("MM_HALF_SB=1",)
-    cases = [(QT_Q4_K, MODE_SWIGLU, 23), (QT_Q4_K, MODE_ADD, 23), (QT_Q4_K, MODE_STORE, 9), (QT_Q6_K, MODE_STORE, 23),
-             (QT_Q6_K, MODE_ADD, 16), (QT_Q5_K, MODE_STORE, 17), (QT_IQ4_XS, MODE_STORE, 23), (QT_Q8_0, MODE_STORE, 23),
-             (QT_F16, MODE_STORE, 9), (QT_Q4_K, MODE_SWIGLU, 32)]
-    for qtype, mode, T in cases:
-        raw_g, raw_u = _scaled_raw(qtype, n_out, n_in, rng), _scaled_raw(qtype, n_out, n_in, rng)
-        wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
-        ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
-        act, xr = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
-        (whole, _), (halves, op) = (_mm_run(fg, mode, wg, wu, act, T, ws, v) for v in ((), half))
-        got = [whole, halves]
-        assert op.smem == mm_smem_bytes(qtype, T, half=True)
-        assert np.array_equal(got[0], got[1]), f"{name} type {qtype} mode {mode} T={T}: half stages changed bits"
-        if mode == MODE_STORE:                       # and both are the product
-            assert _rel(got[1], fused_ref.mm_ref(xr, raw_g, qtype, n_in)) <= MM_TOL[qtype]
-    assert mm_smem_bytes(QT_Q4_K, 23, half=True) == 4 * 11776            # four half stages at the 27B's verify width
-    got = _two_type_add(fg, rng, n_in, 23, ((), half))
-    assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's half stages changed bits"
-
-
 def test_mm_segments_and_residual_add(dev):
     """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
     prep_rows folds into the residual (x + acc, written to the other x buffer, the next

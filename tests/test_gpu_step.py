@@ -146,28 +146,6 @@ def test_wide_swiglu_benchmark_variant_runs_and_keeps_the_arithmetic(tmp_path, m
     assert np.array_equal(got, ref)
 
 
-def test_half_superblock_stages_keep_the_verify_rows(device, tmp_path, monkeypatch):
-    """fused_gpu.WIDE_HALF_STAGES (the A/B knob `ab_bench.sh def:WIDE_HALF_STAGES=True`) streams every
-    product of more than 8 rows in half-superblock stages (mma_matmul.cu MM_HALF_SB): a 24-token
-    forward's logits must keep every bit, and decode's launches must not change."""
-    from daemons.qwen35 import Qwen35Model
-    from kernels import fused_gpu
-    from kernels.fused_gpu import mm_smem_bytes
-    name, backend = device
-    path = tmp_path / "q4k.gguf"
-    _write(path, "q4_k_m")
-    prompt = _prompt(600, 24, seed=9)
-    base = Qwen35Model.load(path, backend)
-    ref = base.forward(prompt, base.new_state(64), logits="all")
-    monkeypatch.setattr(fused_gpu, "WIDE_HALF_STAGES", True)
-    dev = Qwen35Model.load(path, backend)
-    got = dev.forward(prompt, dev.new_state(64), logits="all")
-    wide = [o for o in dev.gpu_step.ops_for(24) if "gate|up" in o.label]
-    assert wide and all(o.smem == mm_smem_bytes(12, 24, half=True) for o in wide)
-    assert all(o.smem == mm_smem_bytes(12, 1) for o in dev.gpu_step.ops_for(1) if "gate|up" in o.label)
-    assert np.array_equal(got, ref), f"{name}: half-superblock stages changed the logits"
-
-
 def test_float_matrices_of_a_quantised_file_join_the_step(device, tmp_path):
     """A quantised file with some float matrices (F32 gates, a BF16 output projection, an F16 FFN
     down) still runs as the fused step: the floats become F16 units (BF16 exactly, F32 rounded

@@ -86,9 +86,8 @@ BUILDS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     # a launch of two types (mm_tc_parts: Q4_K_M's Q6_K attn_qkv beside Q4_K z / alpha / beta)
     ("mma_matmul.cu", (f"MM_QT={fg.QT_Q6_K}", f"MM_QT2={fg.QT_Q4_K}", "MM_NT=1", "MM_MODE=1", "MM_ISSUER_WARP=0"),
      ("mm_tc",)),
-    # decode's one-row build (fused_gpu.ONE_ROW_BUILD, every device) and the half-superblock stages
-    ("mma_matmul.cu", (f"MM_QT={fg.QT_Q4_K}", "MM_NT=1", "MM_MODE=2", "MM_ISSUER_WARP=0", "MM_ONE_ROW=1"), ("mm_tc",)),
-    ("mma_matmul.cu", (f"MM_QT={fg.QT_Q6_K}", "MM_NT=3", "MM_MODE=1", "MM_ISSUER_WARP=0", "MM_HALF_SB=1"), ("mm_tc",))]
+    # decode's one-row build (fused_gpu.ONE_ROW_BUILD, every device)
+    ("mma_matmul.cu", (f"MM_QT={fg.QT_Q4_K}", "MM_NT=1", "MM_MODE=2", "MM_ISSUER_WARP=0", "MM_ONE_ROW=1"), ("mm_tc",))]
 
 
 def _compile(clang: list[str], source: str, defines: tuple[str, ...], arch: str, tmp: Path) -> tuple[int, str, str]:

@@ -5,7 +5,7 @@
 # persist: tests/bench/persist_probe.py's decode and verify questions (GPU_NOTES, thirty-fourth and
 # thirty-fifth sessions), ~2-4 minutes; needs only the gguf wheel.
 # trace: the stages of verify W=23's gate|up and ffn_down launches (tests/bench/stage_trace_gpu.py
-# --width 23, gate|up's copies alone and its half stages; GPU_NOTES, thirty-sixth session), ~4-5 minutes.
+# --width 23 and gate|up's copies alone; GPU_NOTES, thirty-sixth session), ~3-4 minutes.
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -40,7 +40,4 @@ if [ "$what" = trace ]; then
     # gate|up's copies alone (results wrong): the stage rate the pipeline reaches with nothing to compute
     timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 \
         --variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1 2>&1 | tee "$OUT/trace_w23_copies.log"
-    # gate|up in half-superblock stages (exact; GPU_NOTES, thirty-sixth session)
-    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 \
-        --variant MM_HALF_SB=1 2>&1 | tee "$OUT/trace_w23_half.log"
 fi
