@@ -237,8 +237,9 @@ class ActBuffer:
     each row: k-step pairs 0..3), then the T second halves (odd rows with the two 64-byte halves of every
     128 bytes swapped), so a launch's rows and their sums are one contiguous run. `x16` [n_sb][MAX_T][256]
     (the rows' region; a row's halves are not where this shape puts them once T > 1) and `xs`
-    [n_sb][MAX_T][16] are views of `buf`; kernels take `x16` and `buf` (the sums' base) as pointers. Allocated zeroed; columns past K are never written, so they stay
-    zero (the weights there are zero too). `write_rows` / `read_rows` convert from / to the row-major
+    [n_sb][MAX_T][16] are views of `buf`; kernels take `x16` and `buf` (the sums' base) as pointers.
+    Allocated zeroed; columns past K are never written, so they stay zero (the weights there are zero
+    too). `write_rows` / `read_rows` convert from / to the row-major
     form of kernels/fused_ref.act_layout (tests, host-side checks)."""
 
     def __init__(self, xp, K: int):

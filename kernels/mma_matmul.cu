@@ -690,9 +690,8 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
 }
 
 // MM_ONE_ROW: a build for launches of one activation row (decode's products; kernels/fused_gpu.py picks it
-// at T = 1): T, and every offset it sets (the second halves of the staged rows, the stage size), are
-// constants, so the addresses fold into the loads' immediates. The same arithmetic as the build for 1..8
-// rows, so the same bits.
+// at T = 1): T is a constant, so the second halves' offset (x_half) folds into the loads' immediates and
+// the epilogues' token loops go. The same arithmetic as the build for 1..8 rows, so the same bits.
 #ifndef MM_ONE_ROW
 #define MM_ONE_ROW 0
 #endif
@@ -819,7 +818,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
     int i_round = 0;                             // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
-    // The row block's units of one superblock as runs of consecutive tiles (unit_piece): one run of
+    // The row block's units of one superblock as runs of consecutive tiles (unit_index): one run of
     // four tiles (STORE / ADD), or the gate pair and the up pair (SwiGLU); a run is cut short where
     // its matrix ends (the slots past it stay idle).
     constexpr int RUNS = MODE == MODE_SWIGLU ? 2 : 1, RUN_TILES = 4 / RUNS;

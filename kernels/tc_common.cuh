@@ -474,11 +474,10 @@ __device__ __forceinline__ int xs_pos(int j) { return (j >> 3) * 16 + ((j & 7) >
 // further, and both step ACT_SB a superblock. So the T rows of one superblock and their sums are one
 // run of T * 544 bytes (sums of rows T-1..0, then the first halves, then the second) that a matmul
 // stages with one bulk copy (each copy a verify-width launch's warp 0 issues delays all four warps of
-// its block). At T = 1 this is the whole row in order. The
-// layout depends on T, which every producer knows (the rows it writes) and every reader takes from
-// the same step. Odd rows swap the two 64-byte halves of every 128 bytes (stored position ^ 32): the
-// two rows a quarter-warp's 16-byte B loads read then fall on different banks although the staged
-// half rows are 256 bytes apart.
+// its block). At T = 1 this is the whole row in order. The layout depends on T, which every producer
+// knows (the rows it writes) and every reader takes from the same step. Odd rows swap the two 64-byte
+// halves of every 128 bytes (stored position ^ 32): the two rows a quarter-warp's 16-byte B loads read
+// then fall on different banks although the staged half rows are 256 bytes apart.
 #define ACT_ROWS 32
 #define ACT_XS (ACT_ROWS * 16)
 #define ACT_SB (ACT_XS + ACT_ROWS * 256)
