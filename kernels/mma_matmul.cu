@@ -775,17 +775,17 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // and exchange; they wait for this grid's end before reading what it writes). 27B decode graph,
     // same session: 7.50 ms triggering at the end, 7.27 at the last issue, 7.24 four superblocks
     // before it, 7.14-7.16 from 8 to 16 and at the loop's start (an older build that triggered at
-    // the kernel's start ran 0.5 ms slower). Wider batches trigger at the end: triggering at warp
-    // 0's last issue made verify W = 16-32 0.1-0.6 ms slower.
+    // the kernel's start ran 0.5 ms slower). Wider batches: MM_WIDE_TRIGGER_AHEAD below.
 #ifndef MM_TRIGGER_AHEAD
 #define MM_TRIGGER_AHEAD 12
 #endif
-// Wider batches trigger at the block's end (-1). A distance >= 0 triggers once warp 0 has issued all
-// but that many superblocks of its stripe, for A/Bs (tests/bench/ab_bench.sh): measured in the tenth
-// session, before v23 made a wide stage two bulk copies, triggering at the last issue or 4 before cost
-// verify W = 16-32 0.1-0.6 ms.
+// Wider batches (warp 0 issues and computes) trigger once warp 0 has issued the last superblock of
+// its stripe (0; -1: at the block's end; n: n superblocks before the last issue). H200, 38th session,
+// ab_bench.sh, verify graph against the block's end: W = 16 / 23 / 32 -0.37 / -0.40 / -0.25 ms at 0,
+// -0.19 / -0.10 / -0.16 at 1, mixed at 2 and 8; decode's launches are not these. (In the tenth session,
+// before v23 made a wide stage two bulk copies, warp 0's issue tail was long and 0 cost 0.1-0.6 ms.)
 #ifndef MM_WIDE_TRIGGER_AHEAD
-#define MM_WIDE_TRIGGER_AHEAD -1
+#define MM_WIDE_TRIGGER_AHEAD 0
 #endif
     constexpr int ISSUER = MM_ISSUER(NT);
     constexpr bool SEPARATE = MM_SEPARATE_ISSUER(NT);
@@ -1218,7 +1218,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (st_rec) { st_rec[3] = st_clock(); st_rec[7] = st_timer(); }
 #endif
 #undef ST_MARK
-    trigger_dependents();                        // wider batches: only now (MM_TRIGGER_AHEAD above)
+    trigger_dependents();                        // if no earlier trigger did (MM_TRIGGER_AHEAD above)
 }
 
 // One launch over the matrices of two types (QT2 != 0: a projection that a llama.cpp mix types

@@ -10,7 +10,7 @@
 # An argument def:NAME=VALUE is this checkout with one knob's default changed: a kernel define (the line
 # `#define NAME ...` in kernels/*.cu / *.cuh) or a module constant (`NAME = ...` or `NAME: TYPE = ...` at the
 # start of a line of kernels/*.py or daemons/*.py), which must be there exactly once, e.g.
-#   tests/bench/ab_bench.sh def:MM_WIDE_TRIGGER_AHEAD=0 def:MM_BARRIER_PIPE=0 \
+#   tests/bench/ab_bench.sh def:MM_WIDE_TRIGGER_AHEAD=-1 def:MM_BARRIER_PIPE=0 \
 #       'def:WIDE_SWIGLU_VARIANT=("MM_GRID=3", "MM_STAGES=3")'
 # CONTROL=1 adds an identical copy of this checkout as one more build: in one machine session a build
 # can run ~0.2 ms fast at W=23 for the whole call (GPU_NOTES, fourteenth session), so a lone difference
