@@ -1015,7 +1015,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                 }
             }
             mm_sync<NT>();
+            // Benchmarks: MM_EXCH_FINISH_PROBE 1 sums the partials but runs no epilogue (wrong results),
+            // 2 runs the epilogue twice, the second time from a warm instruction cache (same results).
+#if !defined(MM_EXCH_FINISH_PROBE) || MM_EXCH_FINISH_PROBE != 1
             mm_swiglu_epilogue(res_rows(0), lrx, T, s_segs[0].n_rows, tid, out16, outxs);
+#endif
+#if defined(MM_EXCH_FINISH_PROBE) && MM_EXCH_FINISH_PROBE == 2
+            mm_sync<NT>();
+            mm_swiglu_epilogue(res_rows(0), lrx, T, s_segs[0].n_rows, tid, out16, outxs);
+#endif
         } else if (tid < MM_THREADS) {
 #pragma unroll
             for (int e = 0; e < EPT; ++e) {
