@@ -717,6 +717,18 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     constexpr bool SRES_IN_STAGE = MODE == MODE_SWIGLU && NT >= 4 && !MM_SEPARATE_ISSUER(NT);
     __shared__ float sres_static[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? 32 * SROW : 1];
     __shared__ int s_last[2];
+    // MM_TAIL_PREFETCH (A/Bs; 0 off): a wide SwiGLU launch's stripe ending on a row block that the next
+    // stripe finishes (two parts; the next stripe's part is its head, done early and counted with release)
+    // polls that count this many superblocks before its end, and once the part has arrived, copies it into
+    // sres_static, which the loop leaves idle. At its end the block then adds it to its own sums (the same
+    // order as `finish`: 0 + its part + the next) and runs the epilogue: no partial stored, no arrival
+    // counted, no partial loaded after the loop. When the part has not arrived, the exchange below.
+#ifndef MM_TAIL_PREFETCH
+#define MM_TAIL_PREFETCH 0
+#endif
+    constexpr bool TAIL_PREF = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && !SRES_IN_STAGE && !MM_SEPARATE_ISSUER(NT);
+    __shared__ __align__(8) unsigned long long s_pref_bar[1];
+    __shared__ int s_pref[1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     static_assert(!MM_ONE_ROW || NT == 1, "a one-row build is a build of one column tile");
     const int T = MM_ONE_ROW ? 1 : T_launch;
@@ -807,6 +819,10 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             mbar_init(&s_full[k], 1);
             mbar_init(&s_empty[k], 4);           // the four computing warps
         }
+    if (TAIL_PREF && tid == 0) {
+        mbar_init(&s_pref_bar[0], 1);
+        s_pref[0] = 0;
+    }
     __syncthreads();
 #ifdef MM_ACT_ROWS_CAP    // timing only (wrong results): each stage copies only this many activation rows, the
     // rest of the stage keeps stale bytes (what do the wide product's activation copies cost?)
@@ -1050,9 +1066,47 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (tid == 0) head_old = atomic_add_release(&counters[rbx], 1);
         head_rb = rbx;
     };
+    // MM_TAIL_PREFETCH: warp 0, some superblocks before the stripe's end, inside its tail row block rbx
+    // of two parts: has the next stripe's part arrived? Then copy its partial into sres_static.
+    auto poll_tail = [&](int rbx) {
+        if (warp != ISSUER) return;
+        int arrived = 0;
+        if (lane == 0) arrived = ld_acquire(&counters[rbx]) == 1;
+        arrived = (int)shfl((u32)arrived, 0);
+        if (arrived) {
+            const unsigned bytes = (unsigned)(T * ROWS) * 4u;
+            fence_proxy_async_global();          // the acquired partial, then the copy that reads it
+            if (lane == 0) mbar_expect(&s_pref_bar[0], bytes);
+            warp_sync();
+            stage_copy(sres_static, ws + (size_t)(bid + 1) * 2 * (size_t)(T * ROWS), bytes, &s_pref_bar[0], lane);
+            if (lane == 0) s_pref[0] = 1;
+        }
+    };
+    // ... and at the stripe's end: its sums plus that partial, in `finish`'s order, then the epilogue.
+    auto finish_prefetched = [&](int rbx, const float (&a)[NT][4]) {
+        mbar_wait(&s_pref_bar[0], 0u);
+        float v[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int tok = nt * 8 + 2 * c + (i & 1);
+                v[nt][i] = tok < T ? (0.0f + a[nt][i]) + sres_static[tok * ROWS + warp * 16 + g + 8 * (i >> 1)] : 0.0f;
+            }
+        // (IN_STAGE: a barrier before the rows overwrite the partial other threads are reading)
+        mm_epilogue_regs<NT, MODE, true>(v, s_segs, 0, rbx, warp, lane, T, sres_static, out16, outxs);
+        if (tid == 0) counters[rbx] = 0;
+    };
     // At the stripe's end: the tail row block's arrival (acquire-release), then whichever of the
     // two this block was last for.
     auto finish_cuts = [&](int tail, const float (&a)[NT][4]) {
+        if (TAIL_PREF && tail >= 0) {
+            mm_sync<NT>();                       // warp 0's s_pref, for every thread
+            if (s_pref[0]) {
+                finish_prefetched(tail, a);
+                tail = -1;                       // no partial stored, no arrival counted
+            }
+        }
         if (tail >= 0) put_partial(tail, a);
         mm_sync<NT>();
         if (tid == 0) {
@@ -1178,8 +1232,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         } else {
             mm_epilogue_regs<NT, MODE, SRES_IN_STAGE>(acc, s_segs, seg, lrb, warp, lane, T, res_rows(k_last), out16, outxs);
         }
-        // Ordinary stores into a stage that a bulk copy refills next (tc_common.cuh).
-        if (SRES_IN_STAGE && !is_head && !is_tail) fence_proxy_async_smem();
+        // Ordinary stores into a stage that a bulk copy refills next (tc_common.cuh); with TAIL_PREF into
+        // sres_static, where poll_tail may copy a partial later in the stripe.
+        if ((SRES_IN_STAGE || TAIL_PREF) && !is_head && !is_tail) fence_proxy_async_smem();
     };
     if (NT == 1) {
         // T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20
@@ -1203,9 +1258,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         while (f < f1) {
             new_row_block();
             const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    // the row block's last superblock here, + 1
+            // MM_TAIL_PREFETCH: the superblock after which warp 0 polls (a tail row block of two parts
+            // that starts in this stripe), else -1
+            const int f_poll = TAIL_PREF && (rb + 1) * n_sb > f1 && rb * n_sb >= f0
+                               && stripe_owner((long long)rb * n_sb + n_sb - 1, W, Gn) == bid + 1
+                               ? max(f1 - 1 - MM_TAIL_PREFETCH, rb * n_sb) : -1;
             for (; f < f_end; ++f) {
                 run_stage(f);
                 if (++k == n_stages) { k = 0; phase ^= 1u; }
+                if (TAIL_PREF && f == f_poll) poll_tail(rb);
             }
             end_row_block(k == 0 ? n_stages - 1 : k - 1);
             ++rb;

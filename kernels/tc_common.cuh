@@ -144,6 +144,24 @@ __device__ __forceinline__ int atomic_add_release(int* p, int v) {
 __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 #endif
 
+// A counter read with acquire semantics at device scope (a later reader of what the counted blocks
+// wrote needs no other fence), and the fence that orders what this thread has acquired before a bulk
+// copy it issues next reads it (the copy runs in the async proxy; PTX memory model). Without TMA the
+// copies are ordinary loads: nothing to fence.
+#if defined(DFLASH_EMU)
+inline int ld_acquire(const int* p) { return std::atomic_ref<int>(*(int*)p).load(std::memory_order_acquire); }
+#elif defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    return __hip_atomic_load((int*)p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+}
+#else
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+#endif
+
 // Residual adds in 64-bit fixed point (mm_tc MODE_ADD, folded by fused.cu prep_rows): a partial
 // sum v is added as round(v * 2^32). Integer addition is exact, so a row's value is the same in
 // whatever order its parts arrive: the blocks that share a row block need no exchange (no counter,
@@ -307,6 +325,12 @@ __device__ __forceinline__ BarRef keep_bar(BarRef b) { return b; }
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #else
 __device__ __forceinline__ void fence_proxy_async_smem() {}
+#endif
+
+#if defined(TC_HAVE_TMA)
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+#else
+__device__ __forceinline__ void fence_proxy_async_global() {}
 #endif
 
 // n bytes global -> shared for a whole warp (every lane calls it, after the mbar_expect that

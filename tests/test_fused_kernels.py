@@ -329,6 +329,52 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
             d.block_order(False)
 
 
+def test_mm_tail_prefetch_build_sums_cut_row_blocks_alike(dev):
+    """mma_matmul.cu's MM_TAIL_PREFETCH build (an A/B candidate, off by default): a wide SwiGLU stripe
+    whose last row block the next stripe finishes polls that part's count before its end and, if it has
+    arrived, copies its partial early and sums it after the loop without storing its own or counting
+    itself. Bug it guards: a changed order of the sum, or a lost part. The emulator runs blocks in grid
+    order (the next stripe has not run: the exchange as in the default build) and last to first (it
+    has: the early copy); both give the default build's bits, and only in the second did the stripes
+    store no partial of their last row block (the path ran). Shape: 26 SwiGLU row blocks of 5
+    superblocks over 16 stripes of ~8."""
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(41)
+    n_out, n_in = 832, 1280
+    raw_g, raw_u = _scaled_raw(QT_Q4_K, n_out, n_in, rng), _scaled_raw(QT_Q4_K, n_out, n_in, rng)
+    wg, wu = fg.repack("g", QT_Q4_K, n_out, n_in, raw_g), fg.repack("u", QT_Q4_K, n_out, n_in, raw_u)
+    ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+    variant = ("MM_TAIL_PREFETCH=2",)
+    orders = (False, True) if name == "emu" else (False,)
+    n_sb, n_rb = n_in // 256, (n_out // 16 + 1) // 2
+    try:
+        for T in (9, 23):
+            act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
+            for reverse in orders:
+                if name == "emu":
+                    d.block_order(reverse)
+                want, op = _mm_run(fg, MODE_SWIGLU, wg, wu, act, T, ws)
+                ws.ws[...] = np.nan
+                got, _ = _mm_run(fg, MODE_SWIGLU, wg, wu, act, T, ws, variant)
+                assert np.array_equal(got, want), f"T={T} reverse={reverse}: the prefetch build changed bits"
+                assert not _h(xp, ws.counters).any(), "a row block's counter was left set"
+                if name != "emu":
+                    continue
+                # the stripes ending on a row block of two parts that starts in them: their partial of it
+                # is the workspace's slot 1 of their block
+                G, W, n_el = op.grid[0], n_rb * n_sb, T * 64
+                owner = lambda f: ((f + 1) * G - 1) // W                         # noqa: E731
+                tails = [b for b in range(G) for f0, f1 in [(b * W // G, (b + 1) * W // G)]
+                         if f1 % n_sb and (f1 // n_sb) * n_sb >= f0 and owner((f1 // n_sb) * n_sb + n_sb - 1) == b + 1]
+                stored = [not np.isnan(_h(xp, ws.ws)[(2 * b + 1) * n_el:(2 * b + 2) * n_el]).all() for b in tails]
+                assert len(tails) >= 8, tails
+                assert all(stored) if not reverse else not any(stored), (T, reverse, stored)
+    finally:
+        if name == "emu":
+            d.block_order(False)
+
+
 def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     """Decode's products run mma_matmul.cu's MM_ONE_ROW build (fused_gpu.ONE_ROW_BUILD: T = 1 a constant, so
     the staged rows' offsets fold into the loads): every output bit-identical to the build for 1..8 rows
