@@ -144,10 +144,8 @@ __device__ __forceinline__ int atomic_add_release(int* p, int v) {
 __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 #endif
 
-// A counter read with acquire semantics at device scope (a later reader of what the counted blocks
-// wrote needs no other fence), and the fence that orders what this thread has acquired before a bulk
-// copy it issues next reads it (the copy runs in the async proxy; PTX memory model). Without TMA the
-// copies are ordinary loads: nothing to fence.
+// A counter read with acquire semantics at device scope: what the counted blocks wrote before their
+// release arrivals is visible to this thread's later loads (mm_tc's MM_TAIL_PREFETCH).
 #if defined(DFLASH_EMU)
 inline int ld_acquire(const int* p) { return std::atomic_ref<int>(*(int*)p).load(std::memory_order_acquire); }
 #elif defined(__HIP_PLATFORM_AMD__)
@@ -327,6 +325,9 @@ __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.p
 __device__ __forceinline__ void fence_proxy_async_smem() {}
 #endif
 
+// Global memory this thread has acquired (ordinary loads would see it) that a bulk copy it issues next
+// reads: the copy runs in the async proxy, ordered after the acquire only through this fence (PTX
+// memory model). Without TMA the copies are ordinary loads: nothing to fence.
 #if defined(TC_HAVE_TMA)
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 #else
