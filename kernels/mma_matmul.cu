@@ -723,10 +723,14 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // sres_static, which the loop leaves idle. At its end the block then adds it to its own sums (the same
     // order as `finish`: 0 + its part + the next) and runs the epilogue: no partial stored, no arrival
     // counted, no partial loaded after the loop. When the part has not arrived, the exchange below.
+    // Decode's one-row build (the separate issuer; a partial is one row, 64 floats) does the same with
+    // computing warp 0's lanes loading the partial into two registers each (TAIL_PREF_ROW).
 #ifndef MM_TAIL_PREFETCH
 #define MM_TAIL_PREFETCH 0
 #endif
-    constexpr bool TAIL_PREF = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && !SRES_IN_STAGE && !MM_SEPARATE_ISSUER(NT);
+    constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT);
+    constexpr bool TAIL_PREF = (MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && !SRES_IN_STAGE && !MM_SEPARATE_ISSUER(NT))
+                               || TAIL_PREF_ROW;
     __shared__ __align__(8) unsigned long long s_pref_bar[1];
     __shared__ int s_pref[1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -1068,12 +1072,19 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     };
     // MM_TAIL_PREFETCH: warp 0, some superblocks before the stripe's end, inside its tail row block rbx
     // of two parts: has the next stripe's part arrived? Then copy its partial into sres_static.
+    float pv[2] = {0.0f, 0.0f};                  // TAIL_PREF_ROW: warp 0's lanes' share of the partial
     auto poll_tail = [&](int rbx) {
-        if (warp != ISSUER) return;
+        if (warp != (TAIL_PREF_ROW ? 0 : ISSUER)) return;
         int arrived = 0;
         if (lane == 0) arrived = ld_acquire(&counters[rbx]) == 1;
         arrived = (int)shfl((u32)arrived, 0);
-        if (arrived) {
+        if (TAIL_PREF_ROW && arrived) {
+            warp_sync();                         // lane 0's acquire, then every lane's loads
+            const float* part = ws + (size_t)(bid + 1) * 2 * (size_t)ROWS;
+            pv[0] = ldcg_f32(part + 2 * lane);
+            pv[1] = ldcg_f32(part + 2 * lane + 1);
+            if (lane == 0) s_pref[0] = 1;
+        } else if (arrived) {
             const unsigned bytes = (unsigned)(T * ROWS) * 4u;
             fence_proxy_async_global();          // the acquired partial, then the copy that reads it
             if (lane == 0) mbar_expect(&s_pref_bar[0], bytes);
@@ -1084,7 +1095,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     };
     // ... and at the stripe's end: its sums plus that partial, in `finish`'s order, then the epilogue.
     auto finish_prefetched = [&](int rbx, const float (&a)[NT][4]) {
-        mbar_wait(&s_pref_bar[0], 0u);
+        if (TAIL_PREF_ROW) {
+            if (warp == 0) {
+                sres_static[2 * lane] = pv[0];
+                sres_static[2 * lane + 1] = pv[1];
+            }
+            mm_sync<NT>();
+        } else {
+            mbar_wait(&s_pref_bar[0], 0u);
+        }
         float v[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -1245,9 +1264,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             if (++k == n_stages) { k = 0; phase ^= 1u; }
             if (++sb == n_sb) { sb = 0; ++rb; }
         };
+        // TAIL_PREF_ROW: as in the wide loop below, for the stripe's last row block
+        const int rb_last = (f1 - 1) / max(n_sb, 1);
+        const int f_poll = TAIL_PREF_ROW && f1 % n_sb != 0 && rb_last * n_sb >= f0
+                           && stripe_owner((long long)rb_last * n_sb + n_sb - 1, W, Gn) == bid + 1
+                           ? max(f1 - 1 - MM_TAIL_PREFETCH, rb_last * n_sb) : -1;
         for (int f = f0; f < f1; ++f, next_sb()) {
             if (f == f0 || sb == 0) new_row_block();
             run_stage(f);
+            if (TAIL_PREF_ROW && f == f_poll) poll_tail(rb_last);
             if (sb != n_sb - 1 && f != f1 - 1) continue;
             end_row_block(k);
         }

@@ -333,11 +333,11 @@ def test_mm_tail_prefetch_build_sums_cut_row_blocks_alike(dev):
     """mma_matmul.cu's MM_TAIL_PREFETCH build (an A/B candidate, off by default): a wide SwiGLU stripe
     whose last row block the next stripe finishes polls that part's count before its end and, if it has
     arrived, copies its partial early and sums it after the loop without storing its own or counting
-    itself. Bug it guards: a changed order of the sum, or a lost part. The emulator runs blocks in grid
-    order (the next stripe has not run: the exchange as in the default build) and last to first (it
-    has: the early copy); both give the default build's bits, and only in the second did the stripes
-    store no partial of their last row block (the path ran). Shape: 26 SwiGLU row blocks of 5
-    superblocks over 16 stripes of ~8."""
+    itself; decode's one-row build (T = 1) the same with the partial in registers. Bug it guards: a changed
+    order of the sum, or a lost part. The emulator runs blocks in grid order (the next stripe has not run:
+    the exchange as in the default build) and last to first (it has: the early copy); both give the
+    default build's bits, and only in the second did the stripes store no partial of their last row
+    block (the path ran). Shape: 26 SwiGLU row blocks of 5 superblocks over 16 stripes of ~8."""
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(41)
@@ -349,7 +349,7 @@ def test_mm_tail_prefetch_build_sums_cut_row_blocks_alike(dev):
     orders = (False, True) if name == "emu" else (False,)
     n_sb, n_rb = n_in // 256, (n_out // 16 + 1) // 2
     try:
-        for T in (9, 23):
+        for T in (1, 9, 23):
             act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
             for reverse in orders:
                 if name == "emu":
