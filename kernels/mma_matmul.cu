@@ -729,8 +729,9 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #define MM_TAIL_PREFETCH 0
 #endif
     constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT);
-    constexpr bool TAIL_PREF = (MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && !SRES_IN_STAGE && !MM_SEPARATE_ISSUER(NT))
-                               || TAIL_PREF_ROW;
+    constexpr bool TAIL_PREF_WIDE = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && NT > 1 && !SRES_IN_STAGE
+                                    && !MM_SEPARATE_ISSUER(NT);
+    constexpr bool TAIL_PREF = TAIL_PREF_WIDE || TAIL_PREF_ROW;
     __shared__ __align__(8) unsigned long long s_pref_bar[1];
     __shared__ int s_pref[1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -1070,8 +1071,15 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (tid == 0) head_old = atomic_add_release(&counters[rbx], 1);
         head_rb = rbx;
     };
-    // MM_TAIL_PREFETCH: warp 0, some superblocks before the stripe's end, inside its tail row block rbx
-    // of two parts: has the next stripe's part arrived? Then copy its partial into sres_static.
+    // The superblock after which warp 0 polls for row block rbx: the stripe's last, when it starts in this
+    // stripe and the next stripe holds its only other part; else -1.
+    auto poll_point = [&](int rbx) {
+        return (rbx + 1) * n_sb > f1 && rbx * n_sb >= f0
+               && stripe_owner((long long)rbx * n_sb + n_sb - 1, W, Gn) == bid + 1
+               ? max(f1 - 1 - MM_TAIL_PREFETCH, rbx * n_sb) : -1;
+    };
+    // MM_TAIL_PREFETCH: warp 0, at poll_point(rbx): has the next stripe's part arrived? Then fetch its
+    // partial: a bulk copy into sres_static (wide), two floats a lane of warp 0 (one row).
     float pv[2] = {0.0f, 0.0f};                  // TAIL_PREF_ROW: warp 0's lanes' share of the partial
     auto poll_tail = [&](int rbx) {
         if (warp != (TAIL_PREF_ROW ? 0 : ISSUER)) return;
@@ -1264,11 +1272,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             if (++k == n_stages) { k = 0; phase ^= 1u; }
             if (++sb == n_sb) { sb = 0; ++rb; }
         };
-        // TAIL_PREF_ROW: as in the wide loop below, for the stripe's last row block
         const int rb_last = (f1 - 1) / max(n_sb, 1);
-        const int f_poll = TAIL_PREF_ROW && f1 % n_sb != 0 && rb_last * n_sb >= f0
-                           && stripe_owner((long long)rb_last * n_sb + n_sb - 1, W, Gn) == bid + 1
-                           ? max(f1 - 1 - MM_TAIL_PREFETCH, rb_last * n_sb) : -1;
+        const int f_poll = TAIL_PREF_ROW ? poll_point(rb_last) : -1;
         for (int f = f0; f < f1; ++f, next_sb()) {
             if (f == f0 || sb == 0) new_row_block();
             run_stage(f);
@@ -1283,15 +1288,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         while (f < f1) {
             new_row_block();
             const int f_end = keep_reg(min(f1, (rb + 1) * n_sb));    // the row block's last superblock here, + 1
-            // MM_TAIL_PREFETCH: the superblock after which warp 0 polls (a tail row block of two parts
-            // that starts in this stripe), else -1
-            const int f_poll = TAIL_PREF && (rb + 1) * n_sb > f1 && rb * n_sb >= f0
-                               && stripe_owner((long long)rb * n_sb + n_sb - 1, W, Gn) == bid + 1
-                               ? max(f1 - 1 - MM_TAIL_PREFETCH, rb * n_sb) : -1;
+            const int f_poll = TAIL_PREF_WIDE ? poll_point(rb) : -1;
             for (; f < f_end; ++f) {
                 run_stage(f);
                 if (++k == n_stages) { k = 0; phase ^= 1u; }
-                if (TAIL_PREF && f == f_poll) poll_tail(rb);
+                if (TAIL_PREF_WIDE && f == f_poll) poll_tail(rb);
             }
             end_row_block(k == 0 ? n_stages - 1 : k - 1);
             ++rb;
