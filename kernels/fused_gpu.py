@@ -39,6 +39,12 @@ MM_THREADS = 128
 FUSED_THREADS = 256
 SEG_DTYPE = np.dtype([("w", "<u8"), ("y", "<u8"), ("n_rows", "<i4"), ("n_tiles", "<i4"), ("ldy", "<i4"),
                       ("pad", "<i4")])
+# mma_matmul.cu MmPhase: one product of an mm_chain launch (FusedGpu.op_mm_chain)
+PHASE_DTYPE = np.dtype([("segs", "<u8"), ("x16", "<u8"), ("xs", "<u8"), ("ws", "<u8"), ("counters", "<u8"),
+                        ("out16", "<u8"), ("outxs", "<u8"), ("kind", "<i4"), ("n_segs", "<i4"), ("n_sb", "<i4"),
+                        ("T", "<i4"), ("gx", "<i4"), ("split", "<i4"), ("n_segs_a", "<i4"), ("n_rb_a", "<i4")])
+MM_CHAIN_HEADER = 1024              # mma_matmul.cu: the chain block's barriers and small state, then its ring
+MM_CHAIN_MAX_KINDS = 8              # mma_matmul.cu MM_CHAIN_K0 .. K7
 GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r* (decode) / _w* (wider): d_k <= GDN_PARTS * RPT
@@ -307,6 +313,9 @@ class Op:
     # The kernel calls grid_dependency_wait() before reading what earlier launches wrote, so it may
     # be launched with programmatic dependent launch (kernels/cuda_backend.py launch_pdl).
     pdl: bool = True
+    # An mm_tc launch's (qtype, second qtype or 0, mode, variant defines): what op_mm_chain needs to run it
+    # as a phase of a chain.
+    mm_kind: tuple = ()
 
     def __call__(self) -> None:
         self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
@@ -480,7 +489,60 @@ class FusedGpu:
         args = (seg_dev, np.int32(len(segs)), act.x16, act.buf, np.int32(n_sb), np.int32(T), ws.ws, ws.counters, out16,
                 outxs, np.int32(parts[0][0]), np.int32(n_segs_a), np.int32(parts[0][1]))
         return Op(label, kern, (gx,), (MM_THREADS + (32 if separate_issuer else 0),), args, smem,
-                  sum(w.nbytes for w in weights), tuple(keep))
+                  sum(w.nbytes for w in weights), tuple(keep),
+                  mm_kind=(qt, types[1] if len(types) > 1 else 0, mode, tuple(variant)))
+
+    def op_mm_chain(self, label: str, ops: Sequence[Op]) -> Op:
+        """The one-row products `ops` (op_mm launches of T = 1, in order) as one persistent launch
+        (mma_matmul.cu mm_chain): each block walks every product's stripe in turn, each product on its
+        own launch's grid and stripes, so every output is bit-identical to running the launches in
+        order. An A/B candidate for the decode step (tests/bench/bench_chain_gpu.py); nothing else of
+        the product may run between two of its products."""
+        xp = self.xp
+        if not ops:
+            raise ValueError(f"{label}: no products")
+        kinds: list[tuple[int, int, int]] = []
+        table = np.zeros(len(ops), dtype=PHASE_DTYPE)
+        stage = 0
+        keep: list[Any] = []
+        for i, op in enumerate(ops):
+            if not op.mm_kind:
+                raise ValueError(f"{label}: {op.label} is not a tensor-core product")
+            qt, qt2, mode, variant = op.mm_kind
+            (segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, split, n_segs_a, n_rb_a) = op.args
+            if int(T) != 1 or "MM_ONE_ROW=1" not in variant or op.block[0] != MM_THREADS + 32:
+                raise ValueError(f"{label}: {op.label}: a chain runs decode's one-row products (T = 1, the issuer warp)")
+            if [v for v in variant if v != "MM_ONE_ROW=1"]:
+                raise ValueError(f"{label}: {op.label}: benchmark variant {variant} in a chain")
+            if (qt, qt2, mode) not in kinds:
+                kinds.append((qt, qt2, mode))
+            if len(kinds) > MM_CHAIN_MAX_KINDS:
+                raise ValueError(f"{label}: more than {MM_CHAIN_MAX_KINDS} kinds of product")
+            row = table[i]
+            for name, a in (("segs", segs), ("x16", x16), ("xs", xs), ("ws", ws), ("counters", counters),
+                            ("out16", out16), ("outxs", outxs)):
+                row[name] = self.ptr(a) if a is not None else 0
+            row["kind"] = kinds.index((qt, qt2, mode))
+            for name, v in (("n_segs", n_segs), ("n_sb", n_sb), ("T", T), ("split", split), ("n_segs_a", n_segs_a),
+                            ("n_rb_a", n_rb_a)):
+                row[name] = int(v)
+            row["gx"] = op.grid[0]
+            stage = max([stage] + [mm_smem_bytes(q, 1, 1) for q in (qt, qt2) if q])    # one stage of each type
+            keep += list(op.keep)
+        n_stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
+        grid = max(op.grid[0] for op in ops)
+        if grid > MM_BLOCKS_PER_SM * self.n_sm:
+            raise ValueError(f"{label}: {grid} blocks cannot all be resident")
+        defines = ("MM_CHAIN=1", "MM_ONE_ROW=1") + tuple(
+            f"MM_CHAIN_K{i}={qt},{qt2},{mode}" for i, (qt, qt2, mode) in enumerate(kinds))
+        kern = self._k("mma_matmul.cu", "mm_chain", defines)
+        smem = MM_CHAIN_HEADER + n_stages * stage
+        self._smem(kern, smem)
+        phases = xp.asarray(table.view(np.uint8))
+        done = xp.zeros(len(ops), dtype=xp.int32)
+        args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages))
+        return Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
+                  tuple(keep) + (phases, done), pdl=False)
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,

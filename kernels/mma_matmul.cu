@@ -695,18 +695,63 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
 #ifndef MM_ONE_ROW
 #define MM_ONE_ROW 0
 #endif
-template <int QT, int NT, int MODE>
+// A block of mm_chain (below: the products of a chain as phases of one persistent launch) carries its
+// pipeline from one product to the next: the stage ring (barriers and both cursors) and the small state
+// a launch keeps in static shared memory, here in the chain's dynamic shared memory (the emulator runs
+// a chain's blocks side by side, where a `__shared__` object is one for all of them). The issuer warp and
+// the computing warps each keep their own copy of a product's segments: the issuer starts the next
+// product while the computing warps finish this one.
+struct MmChainBlock {                            // (the ring: n_stages slots of `stage` bytes from dynamic smem's start)
+    unsigned long long* full;                    // [n_stages] a slot's copies have landed
+    unsigned long long* empty;                   // [n_stages] the four computing warps have read it
+    MmSeg* segs_i;                               // [4] the issuer warp's copy
+    MmSeg* segs_c;                               // [4] the computing warps' copy
+    float* sres;                                 // a SwiGLU row block's result rows (one row: SROW floats)
+    int* last;                                   // [2] finish_cuts' verdicts
+    int stage, n_stages;
+    const int* dep;                              // the previous product's count of finished blocks ...
+    int dep_count;                               // ... complete at this value (null dep: none)
+    int i_k, i_round;                            // the issuer's cursor: next slot, times round the ring
+    int k;                                       // the computing warps' cursor: next slot, its parity
+    unsigned phase;
+};
+
+// A chain product's issuer (lane 0) waits for the previous product's blocks to have finished before it
+// issues a copy of the rows they wrote (they may be this product's input); the copies read in the async
+// proxy, ordered after the acquire only through the proxy fence.
+__device__ __forceinline__ void mm_chain_wait(const int* dep, int count) {
+    if (dep == nullptr) return;
+    for (long long spins = 0; ld_acquire(dep) < count; ++spins) {
+#if defined(DFLASH_EMU)
+        if (spins > 20000000LL) emu_fail("mm_chain: a product's blocks never finished (deadlock)");
+        emu_spin();
+#endif
+    }
+    fence_proxy_async_global();
+}
+
+// The static shared array st of a launch, or the same array in a chain's dynamic shared memory. (A
+// reference to the array either way: a pointer chosen between the two changed the code of the launches
+// of two types, whose two instantiations both keep such arrays.)
+template <bool C, typename T> __device__ __forceinline__ T& mm_chain_or(T& st, void* in_chain) {
+    if constexpr (C) return *reinterpret_cast<T*>(in_chain);
+    else return st;
+}
+
+template <int QT, int NT, int MODE, bool CHAIN = false>
 __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16,
                                            const u16* __restrict__ xs, int n_sb, int T_launch,
                                            float* __restrict__ ws, int* __restrict__ counters,
                                            u16* __restrict__ out16, u16* __restrict__ outxs,
-                                           const int bid, const int Gn) {   // this block in the part's own grid of Gn
+                                           const int bid, const int Gn,   // this block in the part's own grid of Gn
+                                           MmChainBlock* ch = nullptr) {  // CHAIN: the block's state (mm_chain)
     typedef typename UnitOf<QT>::T U;
     typedef MmGeom<QT> G;
     constexpr int UNIT = G::UNIT;
     constexpr int ROWS = 64;                     // rows (4 tiles) per row block
     constexpr int SROW = MM_SROW;
-    DYN_SMEM(unsigned char, smem);               // n_stages pipeline stages
+    static_assert(!CHAIN || (MM_SEPARATE_ISSUER(NT) && MM_ONE_ROW), "a chain runs decode's one-row products");
+    DYN_SMEM(unsigned char, smem);               // n_stages pipeline stages (a chain: its ring)
     // A SwiGLU row block's result rows (T x SROW floats). At NT = 4 (T = 25..32) they live in the
     // stage the row block's last superblock was read from (T rows of 512 bytes a stage hold T rows
     // of SROW floats), which the block-barrier pipeline refills only after the next stage's
@@ -715,8 +760,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // static rows: they fit four blocks either way (registers allow no fifth), and the separate
     // issuer (T <= 8) refills a stage as soon as its warps release it.
     constexpr bool SRES_IN_STAGE = MODE == MODE_SWIGLU && NT >= 4 && !MM_SEPARATE_ISSUER(NT);
-    __shared__ float sres_static[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? 32 * SROW : 1];
-    __shared__ int s_last[2];
+    // (A chain keeps these in its dynamic shared memory: mm_chain_or.)
+    __shared__ float sres_static_[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? (CHAIN ? SROW : 32 * SROW) : 1];
+    __shared__ int s_last_[2];
+    auto& sres_static = mm_chain_or<CHAIN>(sres_static_, CHAIN ? ch->sres : nullptr);
+    auto& s_last = mm_chain_or<CHAIN>(s_last_, CHAIN ? ch->last : nullptr);
     // MM_TAIL_PREFETCH (A/Bs; 0 off): a wide SwiGLU launch's stripe ending on a row block that the next
     // stripe finishes (two parts; the next stripe's part is its head, done early and counted with release)
     // polls that count this many superblocks before its end, and once the part has arrived, copies it into
@@ -728,7 +776,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #ifndef MM_TAIL_PREFETCH
 #define MM_TAIL_PREFETCH 0
 #endif
-    constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT);
+    constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT)
+                                   && !CHAIN;
     constexpr bool TAIL_PREF_WIDE = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && NT > 1 && !SRES_IN_STAGE
                                     && !MM_SEPARATE_ISSUER(NT);
     constexpr bool TAIL_PREF = TAIL_PREF_WIDE || TAIL_PREF_ROW;
@@ -738,8 +787,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     static_assert(!MM_ONE_ROW || NT == 1, "a one-row build is a build of one column tile");
     const int T = MM_ONE_ROW ? 1 : T_launch;
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
-    const int STAGE = keep_reg(G::stage(n_rows_b));
-    const int n_stages = G::stages(n_rows_b);
+    const int STAGE = CHAIN ? ch->stage : keep_reg(G::stage(n_rows_b));
+    const int n_stages = CHAIN ? ch->n_stages : G::stages(n_rows_b);
     const int X_OFF = keep_reg(G::x_off(n_rows_b));
     int brow[NT];                                // MMA columns past T read the last real row
 #pragma unroll
@@ -815,20 +864,33 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #endif
     constexpr bool BARRIER_PIPE = !SEPARATE && MM_BARRIER_PIPE;
     static_assert(!SRES_IN_STAGE || BARRIER_PIPE, "result rows in a stage need the block-barrier pipeline");
-    __shared__ MmSeg s_segs[4];
-    __shared__ __align__(8) unsigned long long s_full[8];
-    __shared__ __align__(8) unsigned long long s_empty[8];
-    if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
-    if (tid == 0)
-        for (int k = 0; k < n_stages; ++k) {
-            mbar_init(&s_full[k], 1);
-            mbar_init(&s_empty[k], 4);           // the four computing warps
+    __shared__ MmSeg s_segs_[4];
+    __shared__ __align__(8) unsigned long long s_full_[8];
+    __shared__ __align__(8) unsigned long long s_empty_[8];
+    auto& s_segs = mm_chain_or<CHAIN>(s_segs_, CHAIN ? (warp == ISSUER ? ch->segs_i : ch->segs_c) : nullptr);
+    auto& s_full = mm_chain_or<CHAIN>(s_full_, CHAIN ? ch->full : nullptr);
+    auto& s_empty = mm_chain_or<CHAIN>(s_empty_, CHAIN ? ch->empty : nullptr);
+    if constexpr (CHAIN) {                       // (the ring's barriers are set up once, by mm_chain)
+        if (warp == ISSUER) {
+            if (lane < n_segs && lane < 4) s_segs[lane] = segs[lane];
+            warp_sync();
+        } else {
+            if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
+            mm_sync<NT>();
         }
-    if (TAIL_PREF && tid == 0) {
-        mbar_init(&s_pref_bar[0], 1);
-        s_pref[0] = 0;
+    } else {
+        if (tid < n_segs && tid < 4) s_segs[tid] = segs[tid];
+        if (tid == 0)
+            for (int k = 0; k < n_stages; ++k) {
+                mbar_init(&s_full[k], 1);
+                mbar_init(&s_empty[k], 4);       // the four computing warps
+            }
+        if (TAIL_PREF && tid == 0) {
+            mbar_init(&s_pref_bar[0], 1);
+            s_pref[0] = 0;
+        }
+        __syncthreads();
     }
-    __syncthreads();
 #ifdef MM_ACT_ROWS_CAP    // timing only (wrong results): each stage copies only this many activation rows, the
     // rest of the stage keeps stale bytes (what do the wide product's activation copies cost?)
     const int n_rows_copy = min(n_rows_b, MM_ACT_ROWS_CAP);
@@ -836,8 +898,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     const int n_rows_copy = n_rows_b;
 #endif
     const unsigned b_bytes = (unsigned)n_rows_copy * 512u + (U::HAS_MIN ? (unsigned)n_rows_b * 32u : 0u);
-    int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = 0, i_seg = 0, i_lrb = 0;
-    int i_round = 0;                             // times the issuer's cursor has gone round the stages
+    int i_f = f0, i_rb = f0 / max(n_sb, 1), i_sb = f0 - i_rb * n_sb, i_k = CHAIN ? ch->i_k : 0, i_seg = 0, i_lrb = 0;
+    int i_round = CHAIN ? ch->i_round : 0;       // times the issuer's cursor has gone round the stages
     rb_locate<MODE>(s_segs, n_segs, i_rb, i_seg, i_lrb);
     // The row block's units of one superblock as runs of consecutive tiles (unit_index): one run of
     // four tiles (STORE / ADD), or the gate pair and the up pair (SwiGLU); a run is cut short where
@@ -895,29 +957,45 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // Weights do not depend on the previous kernel: the first stages' are requested before
     // waiting for it (programmatic dependent launch), the activations after.
     const int n_pro = min(BARRIER_PIPE ? n_stages - 1 : n_stages, f1 - f0);
+    const int k_pro = i_k;                       // the issuer's slot of the stripe's first superblock
     if (warp == ISSUER) {
         for (int k = 0; k < n_pro; ++k) {
+            // (a chain's ring is not empty at a product's start: its slots free as the previous product's
+            // last superblocks are read)
+            if (CHAIN && i_round > 0) mbar_wait(&s_empty[i_k], (unsigned)(i_round - 1) & 1u);
             issue_w();
             advance();
         }
     }
-    grid_dependency_wait();
+    if constexpr (CHAIN) {
+        if (warp == ISSUER) {
+            if (lane == 0) mm_chain_wait(ch->dep, ch->dep_count);
+            warp_sync();
+        }
+    } else {
+        grid_dependency_wait();
+    }
 #if ST_ON
     if (st_rec) { st_rec[2] = st_clock(); st_rec[5] = (unsigned)n_stages; }
 #endif
     if (warp == ISSUER) {
         int sbk = f0 - (f0 / max(n_sb, 1)) * n_sb;
         for (int k = 0; k < n_pro; ++k) {
-            issue_x(k, sbk);
+            issue_x(CHAIN ? (k_pro + k) % n_stages : k, sbk);
             if (++sbk == n_sb) sbk = 0;
         }
     }
     if (SEPARATE && warp == ISSUER) {            // the issuer warp's whole job; it joins no barrier
         while (i_f < f1) {
             issue_next();
-            if (i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();   // (once: repeats are no-ops)
+            if (!CHAIN && i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();   // (once: repeats are no-ops)
         }
-        trigger_dependents();                    // a stripe the prologue issued whole
+        if constexpr (CHAIN) {                   // the next product starts from here
+            ch->i_k = i_k;
+            ch->i_round = i_round;
+        } else {
+            trigger_dependents();                // a stripe the prologue issued whole
+        }
         return;
     }
 
@@ -959,8 +1037,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
     int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it
-    int k = 0, rb = f0 / max(n_sb, 1);
-    unsigned phase = 0;
+    int k = CHAIN ? ch->k : 0, rb = f0 / max(n_sb, 1);
+    unsigned phase = CHAIN ? ch->phase : 0u;
     // The result rows of a SwiGLU row block whose last superblock here was read from stage k_last
     // (at the stripe's end no copy is in flight: any stage will do).
     auto res_rows = [&](int k_last) -> float* { return SRES_IN_STAGE ? (float*)(smem + k_last * STAGE) : sres_static; };
@@ -1313,7 +1391,12 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (st_rec) { st_rec[3] = st_clock(); st_rec[7] = st_timer(); }
 #endif
 #undef ST_MARK
-    trigger_dependents();                        // if no earlier trigger did (MM_TRIGGER_AHEAD above)
+    if constexpr (CHAIN) {
+        ch->k = k;
+        ch->phase = phase;
+    } else {
+        trigger_dependents();                    // if no earlier trigger did (MM_TRIGGER_AHEAD above)
+    }
 }
 
 // One launch over the matrices of two types (QT2 != 0: a projection that a llama.cpp mix types
@@ -1360,6 +1443,124 @@ mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, c
       u16* __restrict__ out16, u16* __restrict__ outxs, int split, int n_segs_a, int n_rb_a) { TL_SCOPE;
     mm_tc_parts<MM_QT, MM_QT2, MM_NT, MM_MODE>(segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, split,
                                                n_segs_a, n_rb_a);
+}
+#elif defined(MM_CHAIN)
+// ---------------------------------------------------------------------------------------------
+// mm_chain: decode's products (T = 1, the one-row build: -DMM_ONE_ROW=1) as phases of one persistent
+// launch, each block walking every product's stripe in turn (an A/B candidate: how much of the step's
+// launch chain a persistent step would save, measured on its heaviest part; tests/bench/bench_chain_gpu.py).
+// Why: in the launch chain a product's blocks start only as the previous grid's blocks retire, and wait
+// for that grid's end before their first activation copy; here a block that has finished its stripe
+// of product p at once requests product p+1's first weights into the slots its own last stages free,
+// then waits for p's count of finished blocks (every block of the chain: a product may read any row
+// the previous one wrote), then copies the activations. The ring, its barriers and cursors carry over
+// from product to product (MmChainBlock); the issuer warp may be one product ahead of the computing
+// warps. Every product runs mm_tc_impl on its own stripes (its launch's grid gx, its split for two
+// types), so its bits are those of its own launch (tests/test_fused_kernels.py).
+//
+// Products: kinds -DMM_CHAIN_K<i>=<qtype>,<qtype2 or 0>,<mode> (i < 8), a phase's `kind` indexes them.
+// Every block of the grid must be resident at once (the host launches at most four a multiprocessor, the
+// products' own bound); done[p] counts the blocks past product p and is cleared at the end by the
+// last block past the last product, so a graph replays the launch as it is.
+struct MmPhase {                                 // one product: an mm_tc launch's arguments (fused_gpu.op_mm_chain)
+    const MmSeg* segs;
+    const u16* x16;
+    const u16* xs;
+    float* ws;
+    int* counters;
+    u16* out16;
+    u16* outxs;
+    int kind, n_segs, n_sb, T, gx, split, n_segs_a, n_rb_a;
+};
+#define MM_CHAIN_HEADER 1024                     // after the ring: barriers, segments, verdicts, result row
+#define MM_CHAIN_MAX_STAGES 8
+
+template <int QT, int QT2, int MODE>
+__device__ __forceinline__ void mm_chain_product(const MmPhase& ph, MmChainBlock* ch) {
+    const int b = (int)blockIdx.x;
+    if constexpr (QT2 == 0) {
+        mm_tc_impl<QT, 1, MODE, true>(ph.segs, ph.n_segs, ph.x16, ph.xs, ph.n_sb, ph.T, ph.ws, ph.counters, ph.out16,
+                                      ph.outxs, b, ph.gx, ch);
+    } else if (b < ph.split) {                   // as mm_tc_parts
+        mm_tc_impl<QT, 1, MODE, true>(ph.segs, ph.n_segs_a, ph.x16, ph.xs, ph.n_sb, ph.T, ph.ws, ph.counters,
+                                      ph.out16, ph.outxs, b, ph.split, ch);
+    } else {
+        mm_tc_impl<QT2, 1, MODE, true>(ph.segs + ph.n_segs_a, ph.n_segs - ph.n_segs_a, ph.x16, ph.xs, ph.n_sb, ph.T,
+                                       ph.ws + (size_t)2 * ph.split * ph.T * 64, ph.counters + ph.n_rb_a, ph.out16,
+                                       ph.outxs, b - ph.split, ph.gx - ph.split, ch);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MM_BLOCK_THREADS(1), 4)
+mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ done, int stage, int n_stages) { TL_SCOPE;
+    static_assert(MM_SEPARATE_ISSUER(1) && MM_ONE_ROW, "mm_chain: build with the issuer warp and -DMM_ONE_ROW=1");
+    DYN_SMEM(unsigned char, dsm);
+    const int tid = threadIdx.x;
+    unsigned long long* full = (unsigned long long*)(dsm + (size_t)n_stages * stage);    // (stage: a multiple of 128)
+    unsigned long long* empty = full + MM_CHAIN_MAX_STAGES;
+    MmSeg* segs_i = (MmSeg*)(empty + MM_CHAIN_MAX_STAGES);
+    MmSeg* segs_c = segs_i + 4;
+    int* last = (int*)(segs_c + 4);
+    float* sres = (float*)(last + 4);
+    static_assert(16 * 8 + 8 * sizeof(MmSeg) + 16 + MM_SROW * 4 <= MM_CHAIN_HEADER, "mm_chain header");
+    if (tid == 0)
+        for (int k = 0; k < n_stages; ++k) {
+            mbar_init(&full[k], 1);
+            mbar_init(&empty[k], 4);             // the four computing warps
+        }
+    __syncthreads();
+    MmChainBlock ch{full, empty, segs_i, segs_c, sres, last, stage, n_stages, nullptr,
+                    (int)gridDim.x, 0, 0, 0, 0u};
+    const bool issuer = (tid >> 5) == MM_ISSUER(1);
+    for (int p = 0; p < n_phases; ++p) {
+        const MmPhase ph = phases[p];
+        ch.dep = p > 0 ? done + p - 1 : nullptr;
+        if (p == 0 && issuer) grid_dependency_wait();    // (no-op unless launched as a dependent)
+        if ((int)blockIdx.x < ph.gx) {
+            switch (ph.kind) {
+#define MM_CHAIN_CASE(i, ...) case i: mm_chain_product<__VA_ARGS__>(ph, &ch); break;
+#ifdef MM_CHAIN_K0
+                MM_CHAIN_CASE(0, MM_CHAIN_K0)
+#endif
+#ifdef MM_CHAIN_K1
+                MM_CHAIN_CASE(1, MM_CHAIN_K1)
+#endif
+#ifdef MM_CHAIN_K2
+                MM_CHAIN_CASE(2, MM_CHAIN_K2)
+#endif
+#ifdef MM_CHAIN_K3
+                MM_CHAIN_CASE(3, MM_CHAIN_K3)
+#endif
+#ifdef MM_CHAIN_K4
+                MM_CHAIN_CASE(4, MM_CHAIN_K4)
+#endif
+#ifdef MM_CHAIN_K5
+                MM_CHAIN_CASE(5, MM_CHAIN_K5)
+#endif
+#ifdef MM_CHAIN_K6
+                MM_CHAIN_CASE(6, MM_CHAIN_K6)
+#endif
+#ifdef MM_CHAIN_K7
+                MM_CHAIN_CASE(7, MM_CHAIN_K7)
+#endif
+#undef MM_CHAIN_CASE
+                default: break;
+            }
+        }
+        if (!issuer) {
+            // Every computing thread's stores and adds of product p, then thread 0's release: a block that
+            // acquires the full count sees them (release is cumulative over the barrier).
+            mm_sync<1>();
+            if (tid == 0) {
+                if (p < n_phases - 1) {
+                    atomic_add_release(&done[p], 1);
+                } else if (atomic_add_acq_rel(&done[p], 1) == (int)gridDim.x - 1) {
+                    // the last block past the last product: every issuer has passed every wait
+                    for (int q = 0; q < n_phases; ++q) done[q] = 0;
+                }
+            }
+        }
+    }
 }
 #else
 // ---------------------------------------------------------------------------------------------

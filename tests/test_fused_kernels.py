@@ -405,6 +405,72 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
+def test_mm_chain_runs_products_as_their_launches(dev):
+    """mma_matmul.cu's mm_chain (an A/B candidate, not in the step): decode's one-row products as phases
+    of one persistent launch, every block walking each product's stripe in turn with its pipeline carried
+    over (ring, barriers, cursors) and waiting for the previous product's count before copying its rows.
+    Bugs it guards: a slot or parity off by one between products (wrong units summed, or a hang), a
+    product reading rows the previous one had not yet written, the issuer's and the computing warps'
+    segments mixed up, counters left set (a replay would differ). The chain: gate|up (SwiGLU Q4_K) ->
+    ffn_down (ADD Q6_K, reading it) -> gate|up -> ffn_down (ADD Q4_K) -> a two-type STORE reading the
+    second gate|up's rows; on grids of 6 to 8 blocks with cut row blocks. Every output bit-identical to
+    the launches in order, twice."""
+    name, d, fg = dev
+    xp = fg.xp
+    if name == "emu":
+        fg = FusedGpu(d)
+        fg.n_sm = 2                              # grids of <= 8 blocks: the emulator runs them side by side
+    rng = np.random.default_rng(59)
+    n_in, n_ff = 1280, 1024
+    def w(label, qt, n_out, k):
+        return fg.repack(label, qt, n_out, k, _scaled_raw(qt, n_out, k, rng))
+    g0, u0, g1, u1 = (w(f"{c}{i}", QT_Q4_K, n_ff, n_in) for i in (0, 1) for c in "gu")
+    d0, d1 = w("d0", QT_Q6_K, n_in, n_ff), w("d1", QT_Q4_K, n_in, n_ff)
+    sa, sb = w("sa", QT_Q4_K, 192, n_ff), w("sb", QT_Q6_K, 64, n_ff)       # 4 row blocks: a grid of 4
+    need = [fg.workspace_need(ws_, m) for ws_, m in (([g0, u0], MODE_SWIGLU), ([d0], MODE_ADD), ([sa, sb], MODE_STORE))]
+    ws = MmWorkspace(xp, max(n for n, _ in need), max(c for _, c in need))
+    x0, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
+    x1, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
+    ff0, ff1 = ActBuffer(xp, n_ff), ActBuffer(xp, n_ff)
+    acc = xp.zeros((1, n_in), dtype=xp.int64)
+    y = xp.zeros((1, 256), dtype=xp.float32)
+    ops = [fg.op_mm("gu0", [(g0, None, 0, 0), (u0, None, 0, 0)], x0, 1, MODE_SWIGLU, ws, out_act=ff0),
+           fg.op_mm("down0", [(d0, acc, 0, n_in)], ff0, 1, MODE_ADD, ws),
+           fg.op_mm("gu1", [(g1, None, 0, 0), (u1, None, 0, 0)], x1, 1, MODE_SWIGLU, ws, out_act=ff1),
+           fg.op_mm("down1", [(d1, acc, 0, n_in)], ff1, 1, MODE_ADD, ws),
+           fg.op_mm("store", [(sa, y, 0, 256), (sb, y, 192, 256)], ff1, 1, MODE_STORE, ws)]
+    grids = [op.grid[0] for op in ops]
+    if name == "emu":
+        assert max(grids) == 8 and min(grids) < 8, grids      # a product on fewer blocks than the chain
+    outputs = (ff0.x16, ff0.buf, ff1.x16, ff1.buf, acc, y)
+
+    def run(fn):
+        for a in outputs:
+            a[...] = 0
+        fn()
+        return [_h(xp, a).copy() for a in outputs]
+
+    def in_order():
+        for op in ops:
+            op()
+    want = run(in_order)
+    chain = fg.op_mm_chain("chain", ops)
+    assert chain.grid[0] == max(grids)
+    try:
+        for rep in range(2):
+            if name == "emu":
+                d.skew_blocks(rep == 1)          # the second run: the first blocks run ahead of the others
+            got = run(chain)
+            for i, (g, ref) in enumerate(zip(got, want)):
+                assert np.array_equal(g, ref), f"{name} run {rep}: output {i} differs from the launches in order"
+            assert not _h(xp, chain.args[2]).any(), "the chain's product counts were left set"
+            assert not _h(xp, ws.counters).any(), "a row block's counter was left set"
+    finally:
+        if name == "emu":
+            d.skew_blocks(False)
+    assert np.abs(want[4]).max() > 0 and np.abs(want[5]).max() > 0
+
+
 def test_mm_segments_and_residual_add(dev):
     """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
     prep_rows folds into the residual (x + acc, written to the other x buffer, the next

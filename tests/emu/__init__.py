@@ -54,8 +54,10 @@ class _Library:
         self.lib = ctypes.CDLL(str(path))
         self.lib.emu_config.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_ulonglong]
         self.lib.emu_block_order.argtypes = [ctypes.c_int]
+        self.lib.emu_skew.argtypes = [ctypes.c_int]
         self.lib.emu_cluster_config.argtypes = [ctypes.c_uint] * 3
         self.reverse_blocks = False
+        self.skew = False
         self._lock = threading.Lock()
 
     def kernel(self, symbol: str) -> "_EmuKernel":
@@ -104,6 +106,11 @@ def cluster_shape(symbol: str) -> tuple[int, int, int]:
     return (n, 1, 1) if m.group(1) == "x" else (1, n, 1)
 
 
+# Kernels whose blocks wait for each other (persistent: mma_matmul.cu mm_chain), which the emulator runs
+# as one cluster of the whole grid, side by side (blocks one after another would wait forever).
+CORESIDENT = frozenset({"mm_chain"})
+
+
 class _EmuKernel:
     def __init__(self, lib: _Library, symbol: str, address: int):
         self.lib, self.symbol, self.address = lib, symbol, address
@@ -121,8 +128,9 @@ class _EmuKernel:
             self._fn_cache[types] = fn
         with self.lib._lock:
             self.lib.lib.emu_block_order(1 if self.lib.reverse_blocks else 0)
+            self.lib.lib.emu_skew(1 if self.lib.skew else 0)
             self.lib.lib.emu_config(*(int(g) for g in grid), *(int(b) for b in block), int(shared_mem))
-            self.lib.lib.emu_cluster_config(*self.cluster)
+            self.lib.lib.emu_cluster_config(*(grid if self.symbol in CORESIDENT else self.cluster))
             fn(*[v for _, v in conv])
 
 
@@ -179,6 +187,8 @@ class EmuDevice:
 
     # -- the interface kernels.fused_gpu.FusedGpu uses --------------------------------------------
     def _kernel(self, source: str, name: str, defines: tuple[str, ...] = ()) -> _EmuKernel:
+        if source == "mma_matmul.cu" and "MM_CHAIN=1" in defines:     # a chain of products: a build of its own
+            return self._library(source, variant=tuple(defines)).kernel(name)
         if source == "mma_matmul.cu" and defines:
             d = dict(x.split("=", 1) for x in defines)
             cfg = (int(d["MM_QT"]), int(d.get("MM_QT2", 0)), int(d["MM_NT"]), int(d["MM_MODE"]))
@@ -202,6 +212,13 @@ class EmuDevice:
         for lib in self._libs.values():
             lib.reverse_blocks = self._reverse_blocks
 
+    def skew_blocks(self, on: bool) -> None:
+        """Run the blocks of a later launch that run side by side (clusters, co-resident grids) at
+        different speeds (emu.cpp emu_skew), or all alike (the default)."""
+        self._skew = bool(on)
+        for lib in self._libs.values():
+            lib.skew = self._skew
+
     def synchronize(self) -> None:
         pass
 
@@ -211,12 +228,12 @@ class EmuDevice:
         """source's emulated build (mma_matmul.cu: every MM_CONFIGS instantiation, or only the
         launch mm_pair = (qtype, qtype2 or 0, NT, mode), compiled with the variant's NAME=VALUE defines)."""
         with self._lock:
-            key = source if mm_pair is None else f"{source}:{mm_pair}:{variant}"
+            key = source if mm_pair is None and not variant else f"{source}:{mm_pair}:{variant}"
             lib = self._libs.get(key)
             if lib is None:
                 code = _inline_includes((KERNELS / source).read_text())
                 body = ['#include "emu.cpp"'] + ["#define {} {}".format(*v.split("=", 1)) for v in variant] + [code]
-                if source == "mma_matmul.cu":
+                if source == "mma_matmul.cu" and "MM_CHAIN=1" not in variant:
                     configs = [mm_pair] if mm_pair else [(qt, 0, nt, mode) for qt, nt, mode in MM_CONFIGS]
                     for qt, qt2, nt, mode in configs:
                         sym = f"mm_tc__{qt}_{qt2}_{nt}_{mode}"
@@ -229,11 +246,13 @@ class EmuDevice:
                 names = _kernel_names(_preprocess("\n".join(body)))
                 body += [f"EMU_EXPORT({n})" for n in names]
                 stem = source.replace(".", "_") + ("" if mm_pair is None else "_{}_{}_{}_{}".format(*mm_pair))
+                stem += "_chain" if "MM_CHAIN=1" in variant else ""
                 if variant:
                     stem += "_" + hashlib.sha1(repr(variant).encode()).hexdigest()[:8]
                 path = _build(stem, "\n".join(body))
                 lib = self._libs[key] = _Library(path)
                 lib.reverse_blocks = getattr(self, "_reverse_blocks", False)
+                lib.skew = getattr(self, "_skew", False)
             return lib
 
 

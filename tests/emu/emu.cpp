@@ -163,6 +163,11 @@ void* emu_cluster_map(const void* local, unsigned rank) {
 // partial results through global memory then see the other arrival order too.
 static bool g_reverse_blocks = false;
 extern "C" void emu_block_order(int reverse) { g_reverse_blocks = reverse != 0; }
+// Blocks side by side (a cluster, or a co-resident grid) at different speeds (emu_skew(1)): block r of the
+// group runs in one scheduling round of every 1 + r % 3, so the first blocks run ahead of the others and a
+// missing wait for another block's writes reads what is not there yet.
+static bool g_skew = false;
+extern "C" void emu_skew(int on) { g_skew = on != 0; }
 
 extern "C" void emu_config(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                            unsigned long long smem) {
@@ -212,9 +217,37 @@ static bool release_block(Block& blk, unsigned n_threads) {
 // Runs the blocks of one cluster (one block, without clusters) to completion.
 static void run_cluster(Cluster& cl, unsigned n_threads) {
     g_cluster = &cl;
-    for (;;) {
+    for (unsigned long long round = 0;; ++round) {
         bool ran = false;
-        for (Block* blk : cl.blocks) {
+        for (size_t r = 0; r < cl.blocks.size(); ++r) {
+            Block* blk = cl.blocks[r];
+            if (g_skew) {
+                // A block's turn: its runnable threads run, then its barriers and its spinning waiters
+                // are released (they look again at its next turn), whatever the other blocks do.
+                if (round % (1 + r % 3) != 0) continue;
+                bool any = false;
+                for (const auto& f : blk->fibers) any = any || f.wait != Wait::done;
+                if (!any) continue;
+                ran = true;
+                g_block = blk;
+                blockIdx = blk->idx;
+                for (unsigned t = 0; t < n_threads; ++t) {
+                    Fiber& f = blk->fibers[t];
+                    if (f.wait != Wait::none) continue;
+                    blk->current = t;
+                    threadIdx = EmuDim{t, 0, 0};
+#ifdef EMU_FAST_SWITCH
+                    emu_switch(&blk->sched_sp, f.sp);
+#else
+                    swapcontext(&blk->sched, &f.ctx);
+#endif
+                }
+                while (release_block(*blk, n_threads)) {
+                }
+                for (auto& f : blk->fibers)
+                    if (f.wait == Wait::spin) f.wait = Wait::none;
+                continue;
+            }
             g_block = blk;
             blockIdx = blk->idx;
             for (unsigned t = 0; t < n_threads; ++t) {
@@ -231,6 +264,13 @@ static void run_cluster(Cluster& cl, unsigned n_threads) {
             }
         }
         if (ran) continue;
+        if (g_skew) {                            // (deadlocks end at a waiter's spin bound)
+            bool all_done = true;
+            for (Block* blk : cl.blocks)
+                for (auto& f : blk->fibers) all_done = all_done && f.wait == Wait::done;
+            if (all_done) break;
+            continue;
+        }
         // nobody runnable: open the barriers whose scope is complete
         bool all_done = true, released = false;
         unsigned n_spin = 0;
