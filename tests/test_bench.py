@@ -112,6 +112,24 @@ def test_gpu_profile_script_runs_on_the_emulator(tmp_path):
     assert any(line.strip().startswith("matmul ffn_gate") for line in lines), r.stdout   # the wide path's ops
 
 
+def test_chain_bench_script_runs_on_the_emulator(tmp_path):
+    """tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one persistent
+    mm_chain, timed on the GPU machine) on the CPU emulator: the embedded model's 33 products run in order
+    and as the chain, every buffer they touch bit-identical."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from tests.emu import emu_unavailable_reason
+    if emu_unavailable_reason() is not None:
+        pytest.skip(f"emulator: {emu_unavailable_reason()}")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "tests" / "bench" / "bench_chain_gpu.py"), "--device", "emu",
+                        "--synthetic", "embedded", "--gguf", str(tmp_path / "e.gguf")],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "products in order and as mm_chain" in r.stdout and "bit-identical" in r.stdout, r.stdout
+
+
 def test_gdn_bench_script_runs_on_the_emulator():
     """tests/bench/bench_gdn_gpu.py (gdn_conv / gdn_recur timings, run on the GPU machine) parses its
     arguments and runs every form once on the CPU emulator at the 27B shape."""

@@ -1,0 +1,124 @@
+"""What a persistent decode step would save on its products (GPU): the decode step's tensor-core products
+alone, in order, as a captured graph of their own launches (programmatic dependent launch, as in the
+step) against the same products as one persistent launch (mma_matmul.cu mm_chain), in the same run.
+
+    python3 tests/bench/bench_chain_gpu.py [--synthetic qwen35-27b-q4km] [--reps 50] [--ffn-only]
+    python3 tests/bench/bench_chain_gpu.py --device emu --synthetic embedded     (a smoke test on the CPU)
+
+Both forms run every product on its own launch's grid and stripes (the same bits:
+tests/test_fused_kernels.py test_mm_chain_runs_products_as_their_launches), reading the activation
+buffers as the step left them (no prep or DeltaNet / attention kernel runs between the products here,
+so this times the products and their boundaries only). Printed: ms per replay of each graph (median of
+--rounds rounds of --reps replays), and their difference in total and per product boundary. --ffn-only: gate|up and ffn_down only (128 products).
+
+Why: the thirty-eighth session's model (persist_probe.py) put a persistent step 0.18-0.95 ms below the
+launch chain at decode, the one measured lever of the decode target's size left; this measures the
+products' part of that gain with the real kernels before a whole-step kernel is written.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from profile_gpu_step import _model                    # noqa: E402
+
+
+def _resident_per_sm(op) -> int:
+    """Blocks of op's kernel a multiprocessor holds at once (the driver's occupancy calculator)."""
+    n = ctypes.c_int()
+    fn = getattr(op.kernel, "kernel", op.kernel)
+    rc = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.c_int(op.block[0]), ctypes.c_size_t(op.smem))
+    if rc != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor: error {rc}")
+    return n.value
+
+
+def _timed_graph(b, cp, graph, reps: int, rounds: int) -> float:
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+    out = []
+    for _ in range(rounds):
+        b.busy_wait(0.002)                       # the replays queue behind it: device time only
+        ev0.record()
+        for _ in range(reps):
+            b.launch_graph(graph)
+        ev1.record()
+        ev1.synchronize()
+        out.append(cp.cuda.get_elapsed_time(ev0, ev1) / reps)
+    return float(np.median(out))
+
+
+def _emu_check(prods, chain) -> None:
+    """--device emu (a smoke test of this script, tests/test_bench.py): the products in order, then the
+    chain from the same buffers: every buffer they touch ends bit-identical."""
+    arrays = {id(a): a for op in prods for a in list(op.args) + list(op.keep) if isinstance(a, np.ndarray)}
+    before = {k: a.copy() for k, a in arrays.items()}
+    for op in prods:
+        op()
+    after = {k: a.copy() for k, a in arrays.items()}
+    for k, a in arrays.items():
+        a[...] = before[k]
+    chain()
+    same = all(np.array_equal(arrays[k], after[k]) for k in arrays)
+    print(f"emulator: {len(prods)} products in order and as mm_chain (grid {chain.grid[0]}): "
+          f"{'bit-identical' if same else 'DIFFERENT'} in {len(arrays)} buffers")
+    if not same:
+        raise SystemExit(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--synthetic", default="qwen35-27b-q4km")
+    ap.add_argument("--gguf", default=None, help="the synthetic file's path (default: the temp directory)")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ffn-only", action="store_true")
+    args = ap.parse_args()
+    model = _model(args.synthetic, args.gguf, args.device)
+    b = model.backend
+    cp = b.xp
+    fg = b.fused
+    step_ops = model.gpu_step.ops_for(1, "advance", "last", n_keys=256)
+    prods = [op for op in step_ops if getattr(op, "mm_kind", ())]
+    if args.ffn_only:
+        prods = [op for op in prods if "ffn_" in op.label]
+    print(f"{len(prods)} products of the {len(step_ops)} launches of a decode step; kinds "
+          f"{sorted({op.mm_kind[:3] for op in prods})}")
+    chain = fg.op_mm_chain("chain", prods)
+    if args.device == "emu":
+        _emu_check(prods, chain)
+        return
+    per_sm = _resident_per_sm(chain)
+    print(f"mm_chain: grid {chain.grid[0]}, {chain.smem} B dynamic shared memory, "
+          f"{getattr(chain.kernel, 'num_regs', 0)} registers, {per_sm} blocks a multiprocessor "
+          f"({per_sm * b.multiprocessors} resident)")
+    if chain.grid[0] > per_sm * b.multiprocessors:
+        raise SystemExit("mm_chain: not every block can be resident (it would wait forever)")
+    g_launches = b.capture_graph(prods)
+    pdl = b.pdl_used
+    g_chain = b.capture_graph([chain])
+    for g in (g_launches, g_chain):              # warm
+        for _ in range(3):
+            b.launch_graph(g)
+    b.synchronize()
+    nbytes = sum(op.weight_bytes for op in prods)
+    t_l = _timed_graph(b, cp, g_launches, args.reps, args.rounds)
+    t_c = _timed_graph(b, cp, g_chain, args.reps, args.rounds)
+    t_l2 = _timed_graph(b, cp, g_launches, args.reps, args.rounds)    # again: drift between the two
+    print(f"launches ({'PDL' if pdl else 'plain'}): {t_l:.3f} ms, again {t_l2:.3f} ms "
+          f"({nbytes / 1e9:.2f} GB: {nbytes / (min(t_l, t_l2) / 1e3) / 1e9:.0f} GB/s)")
+    print(f"mm_chain: {t_c:.3f} ms ({nbytes / (t_c / 1e3) / 1e9:.0f} GB/s)")
+    d = t_c - (t_l + t_l2) / 2
+    print(f"chain - launches: {d:+.3f} ms ({1e3 * d / max(1, len(prods) - 1):+.2f} us a product boundary)")
+
+
+if __name__ == "__main__":
+    main()
