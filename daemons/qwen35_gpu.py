@@ -74,6 +74,10 @@ __all__ = ["Qwen35GpuStep", "GreedyChain", "GpuVerifyRecord", "step_supported"]
 # ring shorten verify's widest launches? Any value but () gives those launches other stripes than decode's,
 # so verify rows are then no longer decode's bits (the GPU tests fail): never a default.
 WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()
+# A/B candidate (tests/bench/ab_bench.sh def:CHAIN_FFN=True): a one-row step runs each layer's gate|up and
+# ffn_down as one persistent launch (fused_gpu.op_mm_chain): the same bits, one launch boundary a layer
+# fewer, ffn_down's first weights requested by each block as it leaves gate|up.
+CHAIN_FFN = False
 
 
 def step_supported(model: Any) -> bool:
@@ -350,11 +354,12 @@ class Qwen35GpuStep:
                 ops.append(fg.op_mm(p + "mm attn_output " + mx.wo.type_name, [(mx.wo, res.add(), 0, d)],
                                     self.act_attn, T, MODE_ADD, ws))
             ops.append(prep(p + "post_norm", layer.post_norm))
-            ops.append(fg.op_mm(p + "mm ffn_gate|up " + layer.ffn_gate.type_name,
-                                [(layer.ffn_gate, None, 0, 0), (layer.ffn_up, None, 0, 0)], self.act_d, T, MODE_SWIGLU,
-                                ws, out_act=self.act_ff, variant=WIDE_SWIGLU_VARIANT if 8 < T <= 24 else ()))
-            ops.append(fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, res.add(), 0, d)],
-                                self.act_ff, T, MODE_ADD, ws))
+            ffn = [fg.op_mm(p + "mm ffn_gate|up " + layer.ffn_gate.type_name,
+                            [(layer.ffn_gate, None, 0, 0), (layer.ffn_up, None, 0, 0)], self.act_d, T, MODE_SWIGLU,
+                            ws, out_act=self.act_ff, variant=WIDE_SWIGLU_VARIANT if 8 < T <= 24 else ()),
+                   fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, res.add(), 0, d)],
+                            self.act_ff, T, MODE_ADD, ws)]
+            ops += [fg.op_mm_chain(p + "mm ffn chain", ffn)] if CHAIN_FFN and T == 1 else ffn
             if il in capture:
                 # the layer's output is x + the pending sum: folded by a prep of no norm into the
                 # activation buffer that the next prep overwrites anyway

@@ -496,8 +496,10 @@ class FusedGpu:
         """The one-row products `ops` (op_mm launches of T = 1, in order) as one persistent launch
         (mma_matmul.cu mm_chain): each block walks every product's stripe in turn, each product on its
         own launch's grid and stripes, so every output is bit-identical to running the launches in
-        order. An A/B candidate for the decode step (tests/bench/bench_chain_gpu.py); nothing else of
-        the product may run between two of its products."""
+        order. An A/B candidate for the decode step (tests/bench/bench_chain_gpu.py, qwen35_gpu.CHAIN_FFN);
+        nothing may run between two of its products. Launched with programmatic dependent launch like
+        the products (it waits for the launch before it, and lets the next one start at its last product's
+        end), and every block must be resident at once: at most four a multiprocessor."""
         xp = self.xp
         if not ops:
             raise ValueError(f"{label}: no products")
@@ -542,7 +544,7 @@ class FusedGpu:
         done = xp.zeros(len(ops), dtype=xp.int32)
         args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages))
         return Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
-                  tuple(keep) + (phases, done), pdl=False)
+                  tuple(keep) + (phases, done))
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,

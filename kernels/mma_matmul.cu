@@ -714,13 +714,18 @@ struct MmChainBlock {                            // (the ring: n_stages slots of
     int i_k, i_round;                            // the issuer's cursor: next slot, times round the ring
     int k;                                       // the computing warps' cursor: next slot, its parity
     unsigned phase;
+    bool trigger;                                // the chain's last product: lets the next launch start
 };
 
 // A chain product's issuer (lane 0) waits for the previous product's blocks to have finished before it
 // issues a copy of the rows they wrote (they may be this product's input); the copies read in the async
 // proxy, ordered after the acquire only through the proxy fence.
+// The first product's wait is for the launch before the chain (programmatic dependent launch).
 __device__ __forceinline__ void mm_chain_wait(const int* dep, int count) {
-    if (dep == nullptr) return;
+    if (dep == nullptr) {
+        grid_dependency_wait();
+        return;
+    }
     for (long long spins = 0; ld_acquire(dep) < count; ++spins) {
 #if defined(DFLASH_EMU)
         if (spins > 20000000LL) emu_fail("mm_chain: a product's blocks never finished (deadlock)");
@@ -988,11 +993,12 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     if (SEPARATE && warp == ISSUER) {            // the issuer warp's whole job; it joins no barrier
         while (i_f < f1) {
             issue_next();
-            if (!CHAIN && i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();   // (once: repeats are no-ops)
+            if ((!CHAIN || ch->trigger) && i_f >= f1 - MM_TRIGGER_AHEAD) trigger_dependents();   // (once: repeats are no-ops)
         }
         if constexpr (CHAIN) {                   // the next product starts from here
             ch->i_k = i_k;
             ch->i_round = i_round;
+            if (ch->trigger) trigger_dependents();
         } else {
             trigger_dependents();                // a stripe the prologue issued whole
         }
@@ -1510,12 +1516,16 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
         }
     __syncthreads();
     MmChainBlock ch{full, empty, segs_i, segs_c, sres, last, stage, n_stages, nullptr,
-                    (int)gridDim.x, 0, 0, 0, 0u};
+                    (int)gridDim.x, 0, 0, 0, 0u, false};
     const bool issuer = (tid >> 5) == MM_ISSUER(1);
+    // Programmatic dependent launch: the issuer waits for the launch before the chain after requesting the
+    // first product's weights (mm_chain_wait); the computing warps, which have nothing to do before their
+    // first stage lands, wait at once (their adds then follow whatever that launch wrote or cleared).
+    if (!issuer) grid_dependency_wait();
     for (int p = 0; p < n_phases; ++p) {
         const MmPhase ph = phases[p];
         ch.dep = p > 0 ? done + p - 1 : nullptr;
-        if (p == 0 && issuer) grid_dependency_wait();    // (no-op unless launched as a dependent)
+        ch.trigger = p == n_phases - 1;          // the next launch starts beside the last product's end
         if ((int)blockIdx.x < ph.gx) {
             switch (ph.kind) {
 #define MM_CHAIN_CASE(i, ...) case i: mm_chain_product<__VA_ARGS__>(ph, &ch); break;
@@ -1561,6 +1571,7 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
             }
         }
     }
+    trigger_dependents();                        // (a block outside the last product's grid)
 }
 #else
 // ---------------------------------------------------------------------------------------------

@@ -146,6 +146,36 @@ def test_wide_swiglu_benchmark_variant_runs_and_keeps_the_arithmetic(tmp_path, m
     assert np.array_equal(got, ref)
 
 
+def test_chain_ffn_candidate_keeps_decode_bits(device, tmp_path, monkeypatch):
+    """qwen35_gpu.CHAIN_FFN (an A/B candidate, off by default; `ab_bench.sh def:CHAIN_FFN=True`): a one-row
+    step runs each layer's gate|up and ffn_down as one persistent mm_chain launch. Decoding 8 tokens gives
+    the logits and states of the launch-per-product step bit for bit (on the GPU: from captured graphs
+    with programmatic dependent launch, the chain between two dependent launches), and only one-row steps
+    take the chain (a verify block keeps its launches)."""
+    from daemons import qwen35_gpu
+    from daemons.qwen35 import Qwen35Model
+    name, backend = device
+    path = tmp_path / "q4k.gguf"
+    _write(path, "q4_k_m")
+    prompt = _prompt(600, 5, seed=9)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(qwen35_gpu, "CHAIN_FFN", on)
+        dev = Qwen35Model.load(path, backend)
+        labels = [o.label for o in dev.gpu_step.ops_for(1)]
+        assert sum("ffn chain" in x for x in labels) == (4 if on else 0), labels
+        assert not any("ffn chain" in o.label for o in dev.gpu_step.ops_for(3, "verify", "all"))
+        state = dev.new_state(64)
+        rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
+        for _ in range(8):
+            tok = int(np.argmax(rows[-1]))
+            rows.append(np.asarray(backend.to_host(dev.forward([tok], state))))
+        runs.append((rows, state))
+    (ref, s0), (got, s1) = runs
+    assert all(np.array_equal(a, b) for a, b in zip(got, ref)), "the chained FFN changed a decode step's logits"
+    assert _same_state(s1, s0)
+
+
 def test_float_matrices_of_a_quantised_file_join_the_step(device, tmp_path):
     """A quantised file with some float matrices (F32 gates, a BF16 output projection, an F16 FFN
     down) still runs as the fused step: the floats become F16 units (BF16 exactly, F32 rounded
