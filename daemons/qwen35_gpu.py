@@ -74,10 +74,13 @@ __all__ = ["Qwen35GpuStep", "GreedyChain", "GpuVerifyRecord", "step_supported"]
 # ring shorten verify's widest launches? Any value but () gives those launches other stripes than decode's,
 # so verify rows are then no longer decode's bits (the GPU tests fail): never a default.
 WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()
-# A/B candidate (tests/bench/ab_bench.sh def:CHAIN_FFN=True): a one-row step runs each layer's gate|up and
-# ffn_down as one persistent launch (fused_gpu.op_mm_chain): the same bits, one launch boundary a layer
-# fewer, ffn_down's first weights requested by each block as it leaves gate|up.
-CHAIN_FFN = False
+# A/B candidate (tests/bench/ab_bench.sh def:CHAIN_STEP=1 or 2): a one-row step runs each run of adjacent
+# launches that fused_gpu.op_mm_chain can take as one persistent launch: 1 the products (each layer's gate|up
+# and ffn_down), 2 the products and the one-row norm preps between them (a layer's mixer output product,
+# post-norm prep, gate|up, ffn_down, the next layer's attn-norm prep and its input products; the output norm
+# and the output product). The same bits; each block requests the next product's first weights as it
+# leaves one, and a prep's blocks run it while the others wait with theirs requested.
+CHAIN_STEP = 0
 
 
 def step_supported(model: Any) -> bool:
@@ -354,12 +357,11 @@ class Qwen35GpuStep:
                 ops.append(fg.op_mm(p + "mm attn_output " + mx.wo.type_name, [(mx.wo, res.add(), 0, d)],
                                     self.act_attn, T, MODE_ADD, ws))
             ops.append(prep(p + "post_norm", layer.post_norm))
-            ffn = [fg.op_mm(p + "mm ffn_gate|up " + layer.ffn_gate.type_name,
-                            [(layer.ffn_gate, None, 0, 0), (layer.ffn_up, None, 0, 0)], self.act_d, T, MODE_SWIGLU,
-                            ws, out_act=self.act_ff, variant=WIDE_SWIGLU_VARIANT if 8 < T <= 24 else ()),
-                   fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, res.add(), 0, d)],
-                            self.act_ff, T, MODE_ADD, ws)]
-            ops += [fg.op_mm_chain(p + "mm ffn chain", ffn)] if CHAIN_FFN and T == 1 else ffn
+            ops.append(fg.op_mm(p + "mm ffn_gate|up " + layer.ffn_gate.type_name,
+                                [(layer.ffn_gate, None, 0, 0), (layer.ffn_up, None, 0, 0)], self.act_d, T, MODE_SWIGLU,
+                                ws, out_act=self.act_ff, variant=WIDE_SWIGLU_VARIANT if 8 < T <= 24 else ()))
+            ops.append(fg.op_mm(p + "mm ffn_down " + layer.ffn_down.type_name, [(layer.ffn_down, res.add(), 0, d)],
+                                self.act_ff, T, MODE_ADD, ws))
             if il in capture:
                 # the layer's output is x + the pending sum: folded by a prep of no norm into the
                 # activation buffer that the next prep overwrites anyway
@@ -375,7 +377,27 @@ class Qwen35GpuStep:
             ops.append(fg.op_argmax("argmax", self.logits, self.V, self.V, self.ids_out, n_rows))
         if chain:
             ops.append(fg.op_step_chain("step_chain", self.params, self.ids_out))
-        return ops
+        return self._chained(ops) if CHAIN_STEP and T == 1 else ops
+
+    def _chained(self, ops: list[Any]) -> list[Any]:
+        """CHAIN_STEP: every run of two or more adjacent launches that a chain can take (products; with
+        2 also one-row norm preps), holding a product, as one op_mm_chain launch."""
+        def takes(op) -> bool:
+            return bool(getattr(op, "mm_kind", ())) or (CHAIN_STEP >= 2 and bool(getattr(op, "chain_prep", ())))
+        out: list[Any] = []
+        run: list[Any] = []
+        for op in ops + [None]:
+            if op is not None and takes(op):
+                run.append(op)
+                continue
+            if len(run) >= 2 and any(o.mm_kind for o in run):
+                out.append(self.fg.op_mm_chain(run[0].label.split("mm ")[0] + f"chain of {len(run)}", run))
+            else:
+                out += run
+            run = []
+            if op is not None:
+                out.append(op)
+        return out
 
     def _capture_buffer(self, capture: tuple[int, ...], il: int):
         bufs = self._captures.get(capture)

@@ -42,9 +42,12 @@ SEG_DTYPE = np.dtype([("w", "<u8"), ("y", "<u8"), ("n_rows", "<i4"), ("n_tiles",
 # mma_matmul.cu MmPhase: one product of an mm_chain launch (FusedGpu.op_mm_chain)
 PHASE_DTYPE = np.dtype([("segs", "<u8"), ("x16", "<u8"), ("xs", "<u8"), ("ws", "<u8"), ("counters", "<u8"),
                         ("out16", "<u8"), ("outxs", "<u8"), ("kind", "<i4"), ("n_segs", "<i4"), ("n_sb", "<i4"),
-                        ("T", "<i4"), ("gx", "<i4"), ("split", "<i4"), ("n_segs_a", "<i4"), ("n_rb_a", "<i4")])
-MM_CHAIN_HEADER = 1024              # mma_matmul.cu: the chain block's barriers and small state, then its ring
-MM_CHAIN_MAX_KINDS = 8              # mma_matmul.cu MM_CHAIN_K0 .. K7
+                        ("T", "<i4"), ("gx", "<i4"), ("split", "<i4"), ("n_segs_a", "<i4"), ("n_rb_a", "<i4"),
+                        ("x", "<u8"), ("w", "<u8"), ("acc", "<u8"), ("x_out", "<u8"), ("acc_zero", "<u8"),
+                        ("eps", "<f4"), ("K", "<i4")])
+MM_CHAIN_PREP = 255                 # mma_matmul.cu: a phase that is a prep (RMSNorm of one row), not a product
+MM_CHAIN_HEADER = 2048              # mma_matmul.cu: the chain block's barriers and small state, after its ring
+MM_CHAIN_MAX_KINDS = 12             # mma_matmul.cu MM_CHAIN_K0 .. K11
 GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r* (decode) / _w* (wider): d_k <= GDN_PARTS * RPT
@@ -313,9 +316,11 @@ class Op:
     # The kernel calls grid_dependency_wait() before reading what earlier launches wrote, so it may
     # be launched with programmatic dependent launch (kernels/cuda_backend.py launch_pdl).
     pdl: bool = True
-    # An mm_tc launch's (qtype, second qtype or 0, mode, variant defines): what op_mm_chain needs to run it
-    # as a phase of a chain.
+    # An mm_tc launch's (qtype, second qtype or 0, mode, variant defines), or a one-row norm prep's row
+    # (x, w, acc, x_out, acc_zero as row addresses or 0, eps, K, out16, outxs): what op_mm_chain needs to
+    # run it as a phase of a chain.
     mm_kind: tuple = ()
+    chain_prep: tuple = ()
 
     def __call__(self) -> None:
         self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
@@ -508,8 +513,18 @@ class FusedGpu:
         stage = 0
         keep: list[Any] = []
         for i, op in enumerate(ops):
+            if op.chain_prep:
+                x, w, acc, x_out, acc_zero, eps, K, out16, outxs = op.chain_prep
+                row = table[i]
+                for name, v in (("x", x), ("w", w), ("acc", acc), ("x_out", x_out), ("acc_zero", acc_zero),
+                                ("out16", out16), ("outxs", outxs)):
+                    row[name] = v
+                row["kind"], row["eps"], row["K"], row["T"] = MM_CHAIN_PREP, eps, K, 1
+                row["gx"] = -(-K // PREP_COLS)                  # a block a 256-column chunk
+                keep += list(op.keep) + [a for a in op.args if getattr(a, "ndim", 0)]
+                continue
             if not op.mm_kind:
-                raise ValueError(f"{label}: {op.label} is not a tensor-core product")
+                raise ValueError(f"{label}: {op.label} is neither a tensor-core product nor a one-row prep")
             qt, qt2, mode, variant = op.mm_kind
             (segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, split, n_segs_a, n_rb_a) = op.args
             if int(T) != 1 or "MM_ONE_ROW=1" not in variant or op.block[0] != MM_THREADS + 32:
@@ -532,7 +547,9 @@ class FusedGpu:
             stage = max([stage] + [mm_smem_bytes(q, 1, 1) for q in (qt, qt2) if q])    # one stage of each type
             keep += list(op.keep)
         n_stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
-        grid = max(op.grid[0] for op in ops)
+        if stage == 0:
+            raise ValueError(f"{label}: no products")
+        grid = max(int(r["gx"]) for r in table)
         if grid > MM_BLOCKS_PER_SM * self.n_sm:
             raise ValueError(f"{label}: {grid} blocks cannot all be resident")
         defines = ("MM_CHAIN=1", "MM_ONE_ROW=1") + tuple(
@@ -564,6 +581,12 @@ class FusedGpu:
                 raise ValueError(f"{label}: {dt} buffer expected, got {a.dtype}")
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
                 act.x16, act.buf, acc, x_out, acc_zero)
+        chain = ()                              # a one-row norm: also a phase op_mm_chain can run
+        if norm and n_rows == 1 and K <= 32 * PREP_COLS:
+            def row(a, itemsize):
+                return self.ptr(a) + itemsize * row0 * ld_x if a is not None else 0
+            chain = (row(x, 4), self.ptr(w) if w is not None else 0, row(acc, 8), row(x_out, 4), row(acc_zero, 8),
+                     float(eps), int(K), self.ptr(act.x16), self.ptr(act.buf))
         cl_cols = prep_cluster_cols(K, n_rows, col_blocks) if norm else None
         if cluster is None:
             cluster = cl_cols is not None and self.clusters
@@ -572,12 +595,13 @@ class FusedGpu:
                 raise ValueError(f"{label}: no cluster prep for {K} columns{'' if self.clusters else ' on this device'}")
             n_cb = -(-K // cl_cols)
             return Op(label, self._k("fused.cu", f"prep_rows_cly{n_cb}"), (n_rows, n_cb), (FUSED_THREADS,),
-                      args + (np.int32(cl_cols),), PREP_SMEM_CLUSTER)
+                      args + (np.int32(cl_cols),), PREP_SMEM_CLUSTER, chain_prep=chain)
         cols = prep_block_cols(K, n_rows, col_blocks)
         kern = self._k("fused.cu", "prep_rows")
         smem = 4 * (-(-K // 4) * 4 if norm else cols)         # the folded row, or the block's columns
         self._smem(kern, smem)
-        return Op(label, kern, (n_rows, -(-K // cols)), (FUSED_THREADS,), args + (np.int32(cols),), smem)
+        return Op(label, kern, (n_rows, -(-K // cols)), (FUSED_THREADS,), args + (np.int32(cols),), smem,
+                  chain_prep=chain)
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
         """out[0:T] = rows ids_dev[0:T] of the raw GGUF embedding (kernels.cuda_backend.GpuWeight)."""

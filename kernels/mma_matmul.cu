@@ -1464,7 +1464,7 @@ mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, c
 // warps. Every product runs mm_tc_impl on its own stripes (its launch's grid gx, its split for two
 // types), so its bits are those of its own launch (tests/test_fused_kernels.py).
 //
-// Products: kinds -DMM_CHAIN_K<i>=<qtype>,<qtype2 or 0>,<mode> (i < 8), a phase's `kind` indexes them.
+// Products: kinds -DMM_CHAIN_K<i>=<qtype>,<qtype2 or 0>,<mode> (i < 12), a phase's `kind` indexes them.
 // Every block of the grid must be resident at once (the host launches at most four a multiprocessor, the
 // products' own bound); done[p] counts the blocks past product p and is cleared at the end by the
 // last block past the last product, so a graph replays the launch as it is.
@@ -1474,12 +1474,80 @@ struct MmPhase {                                 // one product: an mm_tc launch
     const u16* xs;
     float* ws;
     int* counters;
-    u16* out16;
+    u16* out16;                                  // (a prep's output too)
     u16* outxs;
     int kind, n_segs, n_sb, T, gx, split, n_segs_a, n_rb_a;
+    // kind MM_CHAIN_PREP: fused.cu prep_rows' arguments for one row with its norm (mm_chain_prep)
+    const float* x;
+    const float* w;
+    const long long* acc;
+    float* x_out;
+    long long* acc_zero;
+    float eps;
+    int K;
 };
-#define MM_CHAIN_HEADER 1024                     // after the ring: barriers, segments, verdicts, result row
+#define MM_CHAIN_PREP 255                        // a phase's kind: a prep, not a product
+#define MM_CHAIN_HEADER 2048                     // after the ring: barriers, segments, verdicts, result row, prep sums
 #define MM_CHAIN_MAX_STAGES 8
+#include "act_write.cuh"
+
+// A prep phase (kind MM_CHAIN_PREP: the RMSNorm that fused.cu prep_rows does for one row, folding the
+// residual's pending fixed-point sum) on the computing warps of blocks [0, gx), gx = the row's 256-column
+// chunks: each block sums the whole row's squares itself in prep_rows' order (chunk c = columns 256c..;
+// its sum the xor-tree sums of its 8 runs of 32 columns in order; the row's the chunks' in order), here
+// run r of the row computed by warp r % 4, then writes its own chunk (warp 0, 8 columns a lane): x + acc
+// to x_out, 0 to acc_zero, the normalised values as act16 and block sums (act_group). The same bits as
+// prep_rows (tests/test_fused_kernels.py). What the chain's earlier phases wrote (x, acc) is read past L1.
+__device__ __noinline__ void mm_chain_prep(const MmPhase* __restrict__ php, float* red /* [8 * 32] */) {
+    const MmPhase& ph = *php;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int K = ph.K, n_runs = (K + 31) >> 5, n_chunks = (K + 255) >> 8;
+    const float* x = ph.x;
+    const long long* acc = ph.acc;
+    for (int r0 = warp; r0 < 8 * n_chunks; r0 += 4 * 8) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {            // eight runs a warp, all loads in flight
+            const int r = r0 + 4 * u, col = 32 * r + lane;
+            const bool in = r < n_runs && col < K;
+            const float xv = in ? ldcg_f32(x + col) : 0.0f;
+            const long long av = (in && acc != nullptr) ? ldcg_s64(acc + col) : 0;
+            v[u] = in ? (acc != nullptr ? xv + fixed_to_float(av) : xv) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            float q = v[u] * v[u];
+#pragma unroll
+            for (int m = 16; m > 0; m >>= 1) q += shfl_xor(q, m);
+            if (lane == 0 && r0 + 4 * u < 8 * n_chunks) red[r0 + 4 * u] = q;
+        }
+    }
+    mm_sync<1>();
+    float cs = 0.0f;                             // lane c: chunk c's sum
+    if (lane < n_chunks)
+#pragma unroll
+        for (int w = 0; w < 8; ++w) cs += red[8 * lane + w];
+    float ss = 0.0f;
+    for (int c = 0; c < n_chunks; ++c) ss += __uint_as_float(shfl(__float_as_uint(cs), c));
+    const float inv = rms_inv(ss, K, ph.eps);
+    if (warp == 0) {
+        const int n = 256 * (int)blockIdx.x + 8 * lane;          // this lane's 8 columns
+        const bool valid = n < K;
+        float vals[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int col = n + e;
+            const bool in = valid && col < K;
+            const float xv = in ? ldcg_f32(x + col) : 0.0f;
+            const float v = (in && acc != nullptr) ? xv + fixed_to_float(ldcg_s64(acc + col)) : xv;
+            if (in && ph.x_out != nullptr) ph.x_out[col] = v;
+            if (in && ph.acc_zero != nullptr) ph.acc_zero[col] = 0;
+            vals[e] = v * inv * ((in && ph.w != nullptr) ? ph.w[col] : 1.0f);
+        }
+        act_group(vals, valid, n, 0, 1, ph.out16, ph.outxs);
+    }
+    mm_sync<1>();                                // red is reused by the next prep
+}
 
 template <int QT, int QT2, int MODE>
 __device__ __forceinline__ void mm_chain_product(const MmPhase& ph, MmChainBlock* ch) {
@@ -1508,7 +1576,9 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
     MmSeg* segs_c = segs_i + 4;
     int* last = (int*)(segs_c + 4);
     float* sres = (float*)(last + 4);
-    static_assert(16 * 8 + 8 * sizeof(MmSeg) + 16 + MM_SROW * 4 <= MM_CHAIN_HEADER, "mm_chain header");
+    float* red = (float*)((unsigned char*)full + 1024);      // [8 * 32] a prep's sums
+    static_assert(16 * 8 + 8 * sizeof(MmSeg) + 16 + MM_SROW * 4 <= 1024 && 1024 + 8 * 32 * 4 <= MM_CHAIN_HEADER,
+                  "mm_chain header");
     if (tid == 0)
         for (int k = 0; k < n_stages; ++k) {
             mbar_init(&full[k], 1);
@@ -1526,7 +1596,13 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
         const MmPhase ph = phases[p];
         ch.dep = p > 0 ? done + p - 1 : nullptr;
         ch.trigger = p == n_phases - 1;          // the next launch starts beside the last product's end
-        if ((int)blockIdx.x < ph.gx) {
+        if (ph.kind == MM_CHAIN_PREP) {           // the computing warps of its blocks; the issuer goes on
+            if (!issuer && (int)blockIdx.x < ph.gx) {
+                if (tid == 0 && p > 0) mm_chain_wait(done + p - 1, (int)gridDim.x);
+                mm_sync<1>();                    // (thread 0's acquire, then every thread's loads)
+                mm_chain_prep(phases + p, red);
+            }
+        } else if ((int)blockIdx.x < ph.gx) {
             switch (ph.kind) {
 #define MM_CHAIN_CASE(i, ...) case i: mm_chain_product<__VA_ARGS__>(ph, &ch); break;
 #ifdef MM_CHAIN_K0
@@ -1553,13 +1629,28 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
 #ifdef MM_CHAIN_K7
                 MM_CHAIN_CASE(7, MM_CHAIN_K7)
 #endif
+#ifdef MM_CHAIN_K8
+                MM_CHAIN_CASE(8, MM_CHAIN_K8)
+#endif
+#ifdef MM_CHAIN_K9
+                MM_CHAIN_CASE(9, MM_CHAIN_K9)
+#endif
+#ifdef MM_CHAIN_K10
+                MM_CHAIN_CASE(10, MM_CHAIN_K10)
+#endif
+#ifdef MM_CHAIN_K11
+                MM_CHAIN_CASE(11, MM_CHAIN_K11)
+#endif
 #undef MM_CHAIN_CASE
                 default: break;
             }
         }
         if (!issuer) {
-            // Every computing thread's stores and adds of product p, then thread 0's release: a block that
-            // acquires the full count sees them (release is cumulative over the barrier).
+            // Every computing thread's stores and adds of phase p, then thread 0's release: a block that
+            // acquires the full count sees them (release is cumulative over the barrier), and its issuer's
+            // bulk copies too: the readers fence the proxies after their acquire (mm_chain_wait), the
+            // writers here before the barrier.
+            fence_proxy_async_global();
             mm_sync<1>();
             if (tid == 0) {
                 if (p < n_phases - 1) {

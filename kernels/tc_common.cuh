@@ -71,6 +71,7 @@ __device__ __forceinline__ int shfl_xor(int v, int m) { return __shfl_xor_sync(0
 __device__ __forceinline__ u32 shfl(u32 v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 // A load that skips L1 (data another block of the same grid wrote: split-K partials).
 __device__ __forceinline__ float ldcg_f32(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ long long ldcg_s64(const long long* p) { return __ldcg(p); }
 __device__ __forceinline__ void mma16816_hw(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -100,6 +101,7 @@ __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor(v,
 __device__ __forceinline__ int shfl_xor(int v, int m) { return __shfl_xor(v, m, 32); }
 __device__ __forceinline__ u32 shfl(u32 v, int src) { return __shfl(v, src, 32); }
 __device__ __forceinline__ float ldcg_f32(const float* p) { return __builtin_nontemporal_load(p); }
+__device__ __forceinline__ long long ldcg_s64(const long long* p) { return __builtin_nontemporal_load(p); }
 #define MMA_PORTABLE 1
 #define TC_HAVE_PRIMITIVES 1
 #endif
@@ -513,3 +515,4 @@ __device__ __forceinline__ size_t act_index(int t, int n, int T) {
 __device__ __forceinline__ size_t xs_index(int t, int j) {
     return (size_t)(j >> 3) * ACT_SB + (size_t)(ACT_ROWS - 1 - t) * 16 + (xs_pos(j) & 15);
 }
+

@@ -405,16 +405,19 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
-def test_mm_chain_runs_products_as_their_launches(dev):
-    """mma_matmul.cu's mm_chain (an A/B candidate, not in the step): decode's one-row products as phases
-    of one persistent launch, every block walking each product's stripe in turn with its pipeline carried
-    over (ring, barriers, cursors) and waiting for the previous product's count before copying its rows.
-    Bugs it guards: a slot or parity off by one between products (wrong units summed, or a hang), a
-    product reading rows the previous one had not yet written, the issuer's and the computing warps'
-    segments mixed up, counters left set (a replay would differ). The chain: gate|up (SwiGLU Q4_K) ->
-    ffn_down (ADD Q6_K, reading it) -> gate|up -> ffn_down (ADD Q4_K) -> a two-type STORE reading the
-    second gate|up's rows; on grids of 6 to 8 blocks with cut row blocks. Every output bit-identical to
-    the launches in order, twice."""
+def test_mm_chain_runs_products_and_preps_as_their_launches(dev):
+    """mma_matmul.cu's mm_chain (an A/B candidate, not in the step by default): decode's one-row products
+    and RMSNorm preps as phases of one persistent launch, every block walking each product's stripe in turn
+    with its pipeline carried over (ring, barriers, cursors), waiting for the previous phase's count
+    before copying its rows; a prep's blocks each sum the whole row in prep_rows' order. Bugs it guards: a
+    slot or parity off by one between products (wrong units summed, or a hang), a phase reading rows or
+    sums the previous one had not yet written (the emulator's second run skews the blocks' speeds), the
+    issuer's and the computing warps' segments mixed up, a prep's sum in another order, a residual fold or
+    clear lost, counters left set (a replay would differ). The chain is the step's residual flow over two
+    layers: prep (x + pending sum, norm) -> gate|up (SwiGLU Q4_K) -> ffn_down (ADD Q6_K into the next
+    sum) -> prep (folds it) -> gate|up -> ffn_down (ADD Q4_K) -> a two-type STORE reading the second
+    gate|up's rows; grids of 4 to 8 blocks with cut row blocks. Every output bit-identical to the launches
+    in order, twice."""
     name, d, fg = dev
     xp = fg.xp
     if name == "emu":
@@ -429,24 +432,29 @@ def test_mm_chain_runs_products_as_their_launches(dev):
     sa, sb = w("sa", QT_Q4_K, 192, n_ff), w("sb", QT_Q6_K, 64, n_ff)       # 4 row blocks: a grid of 4
     need = [fg.workspace_need(ws_, m) for ws_, m in (([g0, u0], MODE_SWIGLU), ([d0], MODE_ADD), ([sa, sb], MODE_STORE))]
     ws = MmWorkspace(xp, max(n for n, _ in need), max(c for _, c in need))
-    x0, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
-    x1, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
-    ff0, ff1 = ActBuffer(xp, n_ff), ActBuffer(xp, n_ff)
-    acc = xp.zeros((1, n_in), dtype=xp.int64)
+    norm_w = [xp.asarray(rng.uniform(0.5, 1.5, n_in).astype(np.float32)) for _ in range(2)]
+    xs = [xp.asarray(rng.standard_normal((1, n_in)).astype(np.float32)), xp.zeros((1, n_in), dtype=xp.float32)]
+    accs = [xp.asarray(rng.integers(-2 ** 33, 2 ** 33, (1, n_in))), xp.asarray(rng.integers(-9, 9, (1, n_in)))]
+    act0, act1, ff0, ff1 = ActBuffer(xp, n_in), ActBuffer(xp, n_in), ActBuffer(xp, n_ff), ActBuffer(xp, n_ff)
     y = xp.zeros((1, 256), dtype=xp.float32)
-    ops = [fg.op_mm("gu0", [(g0, None, 0, 0), (u0, None, 0, 0)], x0, 1, MODE_SWIGLU, ws, out_act=ff0),
-           fg.op_mm("down0", [(d0, acc, 0, n_in)], ff0, 1, MODE_ADD, ws),
-           fg.op_mm("gu1", [(g1, None, 0, 0), (u1, None, 0, 0)], x1, 1, MODE_SWIGLU, ws, out_act=ff1),
-           fg.op_mm("down1", [(d1, acc, 0, n_in)], ff1, 1, MODE_ADD, ws),
+    ops = [fg.op_prep_rows("prep0", xs[0], n_in, 0, norm_w[0], 1e-6, n_in, True, act0, 1, acc=accs[0],
+                           x_out=xs[1], acc_zero=accs[1]),
+           fg.op_mm("gu0", [(g0, None, 0, 0), (u0, None, 0, 0)], act0, 1, MODE_SWIGLU, ws, out_act=ff0),
+           fg.op_mm("down0", [(d0, accs[1], 0, n_in)], ff0, 1, MODE_ADD, ws),
+           fg.op_prep_rows("prep1", xs[1], n_in, 0, norm_w[1], 1e-6, n_in, True, act1, 1, acc=accs[1],
+                           x_out=xs[0], acc_zero=accs[0]),
+           fg.op_mm("gu1", [(g1, None, 0, 0), (u1, None, 0, 0)], act1, 1, MODE_SWIGLU, ws, out_act=ff1),
+           fg.op_mm("down1", [(d1, accs[0], 0, n_in)], ff1, 1, MODE_ADD, ws),
            fg.op_mm("store", [(sa, y, 0, 256), (sb, y, 192, 256)], ff1, 1, MODE_STORE, ws)]
-    grids = [op.grid[0] for op in ops]
+    grids = [op.grid[0] for op in ops if op.mm_kind]
     if name == "emu":
         assert max(grids) == 8 and min(grids) < 8, grids      # a product on fewer blocks than the chain
-    outputs = (ff0.x16, ff0.buf, ff1.x16, ff1.buf, acc, y)
+    outputs = xs + accs + [act0.x16, act0.buf, act1.x16, act1.buf, ff0.x16, ff0.buf, ff1.x16, ff1.buf, y]
+    start = [_h(xp, a).copy() for a in outputs]
 
     def run(fn):
-        for a in outputs:
-            a[...] = 0
+        for a, a0 in zip(outputs, start):
+            a[...] = xp.asarray(a0)
         fn()
         return [_h(xp, a).copy() for a in outputs]
 
@@ -463,12 +471,52 @@ def test_mm_chain_runs_products_as_their_launches(dev):
             got = run(chain)
             for i, (g, ref) in enumerate(zip(got, want)):
                 assert np.array_equal(g, ref), f"{name} run {rep}: output {i} differs from the launches in order"
-            assert not _h(xp, chain.args[2]).any(), "the chain's product counts were left set"
+            assert not _h(xp, chain.args[2]).any(), "the chain's phase counts were left set"
             assert not _h(xp, ws.counters).any(), "a row block's counter was left set"
     finally:
         if name == "emu":
             d.skew_blocks(False)
-    assert np.abs(want[4]).max() > 0 and np.abs(want[5]).max() > 0
+    # the preps folded and cleared the sums (each cleared, then added into by the ffn_down after it)
+    assert not np.array_equal(want[0], start[0]) and not np.array_equal(want[2], start[2])
+    assert np.abs(want[-1]).max() > 0
+
+
+def test_mm_chain_prep_sums_in_prep_rows_order(dev):
+    """A prep phase of mm_chain sums a row's squares in prep_rows' order (256-column chunks, each the
+    xor-tree sums of its eight 32-column runs in order, the chunks in order): a float sum in another order
+    changes the rounded scale of a row now and then, so 12 rows of 20 chunks with a wide dynamic range, each
+    a prep phase of one chain, must all give prep_rows' act16 rows, block sums and folded x bit for bit
+    (a chain whose prep added the chunks last to first differed in about a third of such rows)."""
+    name, d, fg = dev
+    xp = fg.xp
+    if name == "emu":
+        fg = FusedGpu(d)
+        fg.n_sm = 5                              # the prep's 20 blocks (a chunk each) side by side
+    rng = np.random.default_rng(61)
+    K, n_rows = 5120, 12
+    wt = fg.repack("w", QT_Q4_K, 64, K, _scaled_raw(QT_Q4_K, 64, K, rng))
+    ws = MmWorkspace(xp, *fg.workspace_need([wt], MODE_STORE))
+    norm_w = xp.asarray(rng.uniform(0.5, 1.5, K).astype(np.float32))
+    x = rng.standard_normal((n_rows, K)) * 10.0 ** rng.uniform(-2, 2, (n_rows, K // 256)).repeat(256, axis=1)
+    xs = [xp.asarray(x[i:i + 1].astype(np.float32)) for i in range(n_rows)]
+    accs = [xp.asarray(rng.integers(-2 ** 31, 2 ** 31, (1, K))) for _ in range(n_rows)]
+    outs = [xp.zeros((1, K), dtype=xp.float32) for _ in range(n_rows)]
+    zero = xp.ones((1, K), dtype=xp.int64)
+    acts = [ActBuffer(xp, K) for _ in range(n_rows)]
+    y = xp.zeros((1, 64), dtype=xp.float32)
+    ops = [fg.op_prep_rows(f"prep{i}", xs[i], K, 0, norm_w, 1e-6, K, True, acts[i], 1, acc=accs[i], x_out=outs[i],
+                           acc_zero=zero) for i in range(n_rows)]
+    ops.append(fg.op_mm("mm", [(wt, y, 0, 64)], acts[-1], 1, MODE_STORE, ws))
+    outputs = outs + [a.x16 for a in acts] + [a.buf for a in acts] + [y, zero]
+    results = []
+    for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
+        for a in outputs:
+            a[...] = 1
+        fn()
+        results.append([_h(xp, a).copy() for a in outputs])
+    for i, (g, ref) in enumerate(zip(results[1], results[0])):
+        assert np.array_equal(g, ref), f"{name}: output {i} of the chained preps differs from prep_rows'"
+    assert not results[0][-1].any()
 
 
 def test_mm_segments_and_residual_add(dev):

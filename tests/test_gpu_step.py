@@ -146,12 +146,14 @@ def test_wide_swiglu_benchmark_variant_runs_and_keeps_the_arithmetic(tmp_path, m
     assert np.array_equal(got, ref)
 
 
-def test_chain_ffn_candidate_keeps_decode_bits(device, tmp_path, monkeypatch):
-    """qwen35_gpu.CHAIN_FFN (an A/B candidate, off by default; `ab_bench.sh def:CHAIN_FFN=True`): a one-row
-    step runs each layer's gate|up and ffn_down as one persistent mm_chain launch. Decoding 8 tokens gives
-    the logits and states of the launch-per-product step bit for bit (on the GPU: from captured graphs
-    with programmatic dependent launch, the chain between two dependent launches), and only one-row steps
-    take the chain (a verify block keeps its launches)."""
+@pytest.mark.parametrize("level", [1, 2])
+def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch, level):
+    """qwen35_gpu.CHAIN_STEP (an A/B candidate, off by default; `ab_bench.sh def:CHAIN_STEP=1`): a one-row
+    step runs its runs of adjacent products (1), or of products and one-row norm preps (2: across the layer
+    boundary, and the output norm with the output product), as persistent mm_chain launches. Decoding 8
+    tokens gives the logits and states of the launch-per-op step bit for bit (on the GPU: from captured
+    graphs with programmatic dependent launch, each chain between two dependent launches), and a verify
+    block keeps its launches."""
     from daemons import qwen35_gpu
     from daemons.qwen35 import Qwen35Model
     name, backend = device
@@ -159,12 +161,18 @@ def test_chain_ffn_candidate_keeps_decode_bits(device, tmp_path, monkeypatch):
     _write(path, "q4_k_m")
     prompt = _prompt(600, 5, seed=9)
     runs = []
-    for on in (False, True):
-        monkeypatch.setattr(qwen35_gpu, "CHAIN_FFN", on)
+    for on in (0, level):
+        monkeypatch.setattr(qwen35_gpu, "CHAIN_STEP", on)
         dev = Qwen35Model.load(path, backend)
-        labels = [o.label for o in dev.gpu_step.ops_for(1)]
-        assert sum("ffn chain" in x for x in labels) == (4 if on else 0), labels
-        assert not any("ffn chain" in o.label for o in dev.gpu_step.ops_for(3, "verify", "all"))
+        ops = dev.gpu_step.ops_for(1)
+        chains = [o for o in ops if "chain of" in o.label]
+        if on == 1:
+            assert len(chains) == 4 and all("chain of 2" in o.label for o in chains), [o.label for o in ops]
+        elif on == 2:
+            # 4 layers: the first layer's attn-norm prep and input products, the mixer output to the next
+            # layer's input (3 times), the last layer's mixer output to the output product
+            assert len(chains) == 5 and not any(getattr(o, "chain_prep", ()) for o in ops), [o.label for o in ops]
+        assert not any("chain of" in o.label for o in dev.gpu_step.ops_for(3, "verify", "all"))
         state = dev.new_state(64)
         rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
         for _ in range(8):
@@ -172,7 +180,7 @@ def test_chain_ffn_candidate_keeps_decode_bits(device, tmp_path, monkeypatch):
             rows.append(np.asarray(backend.to_host(dev.forward([tok], state))))
         runs.append((rows, state))
     (ref, s0), (got, s1) = runs
-    assert all(np.array_equal(a, b) for a, b in zip(got, ref)), "the chained FFN changed a decode step's logits"
+    assert all(np.array_equal(a, b) for a, b in zip(got, ref)), "the chained step changed a decode step's logits"
     assert _same_state(s1, s0)
 
 

@@ -156,6 +156,7 @@ inline float __shfl_down_sync(unsigned, float v, int off) {
 }
 
 inline float ldcg_f32(const float* p) { return *(volatile const float*)p; }
+inline long long ldcg_s64(const long long* p) { return *(volatile const long long*)p; }
 inline void grid_dependency_wait() {}
 // mbarriers with the hardware's protocol (tc_common.cuh): a phase completes when `count` arrivals
 // have happened and no announced byte is still due; bulk copies land at once (a memcpy by the
