@@ -6,10 +6,12 @@ step) against the same products as one persistent launch (mma_matmul.cu mm_chain
     python3 tests/bench/bench_chain_gpu.py --device emu --synthetic embedded     (a smoke test on the CPU)
 
 Both forms run every product on its own launch's grid and stripes (the same bits:
-tests/test_fused_kernels.py test_mm_chain_runs_products_as_their_launches), reading the activation
-buffers as the step left them (no prep or DeltaNet / attention kernel runs between the products here,
-so this times the products and their boundaries only). Printed: ms per replay of each graph (median of
---rounds rounds of --reps replays), and their difference in total and per product boundary. --ffn-only: gate|up and ffn_down only (128 products).
+tests/test_fused_kernels.py test_mm_chain_runs_products_and_preps_as_their_launches), reading the
+activation buffers as the step left them (no prep or DeltaNet / attention kernel runs between the
+products here, so this times the products and their boundaries only). Two sets: all the step's
+products, then gate|up and ffn_down alone (128 products; --ffn-only: that set only). Printed per set:
+ms per replay of each graph (median of --rounds rounds of --reps replays), and their difference in
+total and per product boundary. The step itself with chains: `ab_bench.sh def:CHAIN_STEP=1`.
 
 Why: the thirty-eighth session's model (persist_probe.py) put a persistent step 0.18-0.95 ms below the
 launch chain at decode, the one measured lever of the decode target's size left; this measures the
@@ -88,14 +90,20 @@ def main() -> None:
     fg = b.fused
     step_ops = model.gpu_step.ops_for(1, "advance", "last", n_keys=256)
     prods = [op for op in step_ops if getattr(op, "mm_kind", ())]
+    sets = [("all products", prods), ("ffn only", [op for op in prods if "ffn_" in op.label])]
     if args.ffn_only:
-        prods = [op for op in prods if "ffn_" in op.label]
-    print(f"{len(prods)} products of the {len(step_ops)} launches of a decode step; kinds "
-          f"{sorted({op.mm_kind[:3] for op in prods})}")
-    chain = fg.op_mm_chain("chain", prods)
-    if args.device == "emu":
-        _emu_check(prods, chain)
-        return
+        sets = sets[1:]
+    for name, ops in sets:
+        print(f"== {name}: {len(ops)} products of the {len(step_ops)} launches of a decode step; kinds "
+              f"{sorted({op.mm_kind[:3] for op in ops})}")
+        chain = fg.op_mm_chain("chain", ops)
+        if args.device == "emu":
+            _emu_check(ops, chain)
+            continue
+        _compare(b, cp, ops, chain, args.reps, args.rounds)
+
+
+def _compare(b, cp, prods, chain, reps: int, rounds: int) -> None:
     per_sm = _resident_per_sm(chain)
     print(f"mm_chain: grid {chain.grid[0]}, {chain.smem} B dynamic shared memory, "
           f"{getattr(chain.kernel, 'num_regs', 0)} registers, {per_sm} blocks a multiprocessor "
@@ -110,15 +118,14 @@ def main() -> None:
             b.launch_graph(g)
     b.synchronize()
     nbytes = sum(op.weight_bytes for op in prods)
-    t_l = _timed_graph(b, cp, g_launches, args.reps, args.rounds)
-    t_c = _timed_graph(b, cp, g_chain, args.reps, args.rounds)
-    t_l2 = _timed_graph(b, cp, g_launches, args.reps, args.rounds)    # again: drift between the two
+    t_l = _timed_graph(b, cp, g_launches, reps, rounds)
+    t_c = _timed_graph(b, cp, g_chain, reps, rounds)
+    t_l2 = _timed_graph(b, cp, g_launches, reps, rounds)    # again: drift between the two
     print(f"launches ({'PDL' if pdl else 'plain'}): {t_l:.3f} ms, again {t_l2:.3f} ms "
           f"({nbytes / 1e9:.2f} GB: {nbytes / (min(t_l, t_l2) / 1e3) / 1e9:.0f} GB/s)")
     print(f"mm_chain: {t_c:.3f} ms ({nbytes / (t_c / 1e3) / 1e9:.0f} GB/s)")
     d = t_c - (t_l + t_l2) / 2
     print(f"chain - launches: {d:+.3f} ms ({1e3 * d / max(1, len(prods) - 1):+.2f} us a product boundary)")
-
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One batched GPU-machine session: install the carried wheels, run the GPU tests and the 27B bench,
 # leaving logs in $OUT (the device tool's output folder; ./out when run by hand).
-#   tests/bench/gpu_session.sh [tests|bench|all|persist|trace] [pytest args...]
+#   tests/bench/gpu_session.sh [tests|bench|all|persist|trace|chain] [pytest args...]
 # persist: tests/bench/persist_probe.py's decode and verify questions (GPU_NOTES, thirty-fourth and
 # thirty-fifth sessions), ~2-4 minutes; needs only the gguf wheel.
 # trace: the stages of verify W=23's gate|up and ffn_down launches (tests/bench/stage_trace_gpu.py
 # --width 23 and gate|up's copies alone; GPU_NOTES, thirty-sixth session), ~3-4 minutes.
+# chain: the persistent-chain candidates (mma_matmul.cu mm_chain; GPU_NOTES, thirty-ninth session): their GPU
+# tests, then tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one chain),
+# ~3 minutes. The step with chains: ab_bench.sh def:CHAIN_STEP=1 def:CHAIN_STEP=2.
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -40,4 +43,10 @@ if [ "$what" = trace ]; then
     # gate|up's copies alone (results wrong): the stage rate the pipeline reaches with nothing to compute
     timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 \
         --variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1 2>&1 | tee "$OUT/trace_w23_copies.log"
+fi
+if [ "$what" = chain ]; then
+    timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q --timeout 300 -p no:cacheprovider \
+        tests/test_fused_kernels.py tests/test_gpu_step.py -k "chain and cuda" "$@" 2>&1 | tee "$OUT/tests_chain.log" | tail -20
+    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/bench_chain_gpu.py --gguf /tmp/qwen35-27b-q4km.gguf 2>&1 \
+        | tee "$OUT/bench_chain.log"
 fi
