@@ -48,6 +48,11 @@ PHASE_DTYPE = np.dtype([("segs", "<u8"), ("x16", "<u8"), ("xs", "<u8"), ("ws", "
 MM_CHAIN_PREP = 255                 # mma_matmul.cu: a phase that is a prep (RMSNorm of one row), not a product
 MM_CHAIN_HEADER = 2048              # mma_matmul.cu: the chain block's barriers and small state, after its ring
 MM_CHAIN_MAX_KINDS = 12             # mma_matmul.cu MM_CHAIN_K0 .. K11
+# A/B knobs of op_mm_chain (ab_bench.sh 'def:CHAIN_STEP=2+def:MM_CHAIN_SPREAD=8'): the counts of a phase's
+# finished blocks spread over this many lines (block b counts in line b % spread: hundreds of arrivals on one
+# address queue at its L2 slice), and a waiter's pause between two looks at them (ns; 0: none).
+MM_CHAIN_SPREAD = 1
+MM_CHAIN_POLL_NS = 0
 GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r* (decode) / _w* (wider): d_k <= GDN_PARTS * RPT
@@ -558,8 +563,10 @@ class FusedGpu:
         smem = MM_CHAIN_HEADER + n_stages * stage
         self._smem(kern, smem)
         phases = xp.asarray(table.view(np.uint8))
-        done = xp.zeros(len(ops), dtype=xp.int32)
-        args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages))
+        spread = max(1, min(int(MM_CHAIN_SPREAD), grid))
+        done = xp.zeros(32 * (spread * len(ops) + 1), dtype=xp.int32)     # (mma_matmul.cu mm_chain)
+        args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages), np.int32(spread),
+                np.int32(MM_CHAIN_POLL_NS))
         return Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
                   tuple(keep) + (phases, done))
 

@@ -709,29 +709,54 @@ struct MmChainBlock {                            // (the ring: n_stages slots of
     float* sres;                                 // a SwiGLU row block's result rows (one row: SROW floats)
     int* last;                                   // [2] finish_cuts' verdicts
     int stage, n_stages;
-    const int* dep;                              // the previous product's count of finished blocks ...
-    int dep_count;                               // ... complete at this value (null dep: none)
+    const int* dep;                              // the previous phase's counts of finished blocks (null: none) ...
+    int spread;                                  // ... block b's in dep[32 * (b % spread)]
+    int poll_ns;                                 // a waiter's pause between two looks at them
     int i_k, i_round;                            // the issuer's cursor: next slot, times round the ring
     int k;                                       // the computing warps' cursor: next slot, its parity
     unsigned phase;
     bool trigger;                                // the chain's last product: lets the next launch start
 };
 
-// A chain product's issuer (lane 0) waits for the previous product's blocks to have finished before it
-// issues a copy of the rows they wrote (they may be this product's input); the copies read in the async
-// proxy, ordered after the acquire only through the proxy fence.
-// The first product's wait is for the launch before the chain (programmatic dependent launch).
-__device__ __forceinline__ void mm_chain_wait(const int* dep, int count) {
+// A chain product's issuer (lane 0) waits for the previous phase's blocks (all the grid's) to have
+// finished before it issues a copy of the rows they wrote (they may be this product's input): relaxed
+// looks at the counts (spread over lines so that the arrivals of hundreds of blocks do not queue on one
+// address; the looks all in flight), then an acquire fence, then the proxy fence (the copies read in the
+// async proxy). The first product's wait is for the launch before the chain (programmatic dependent launch).
+#if defined(DFLASH_EMU)
+inline int ld_relaxed(const int* p) { return std::atomic_ref<int>(*(int*)p).load(std::memory_order_relaxed); }
+inline void chain_nap(int) {}
+#elif defined(__HIP_PLATFORM_AMD__)
+__device__ __forceinline__ int ld_relaxed(const int* p) {
+    return __hip_atomic_load((int*)p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+__device__ __forceinline__ void chain_nap(int ns) { if (ns) __builtin_amdgcn_s_sleep(1); }
+#else
+__device__ __forceinline__ int ld_relaxed(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void chain_nap(int ns) { if (ns) __nanosleep((unsigned)ns); }
+#endif
+__device__ __forceinline__ void mm_chain_wait(const int* dep, int spread, int poll_ns) {
     if (dep == nullptr) {
         grid_dependency_wait();
         return;
     }
-    for (long long spins = 0; ld_acquire(dep) < count; ++spins) {
+    const int G = (int)gridDim.x;
+    for (long long spins = 0;; ++spins) {
+        int short_of = 0;
+        for (int j = 0; j < spread; ++j)         // counter j: the blocks b = j (mod spread)
+            short_of += ld_relaxed(dep + 32 * j) < (G - 1 - j) / spread + 1;
+        if (short_of == 0) break;
+        chain_nap(poll_ns);
 #if defined(DFLASH_EMU)
-        if (spins > 20000000LL) emu_fail("mm_chain: a product's blocks never finished (deadlock)");
+        if (spins > 20000000LL) emu_fail("mm_chain: a phase's blocks never finished (deadlock)");
         emu_spin();
 #endif
     }
+    fence_acq_rel();
     fence_proxy_async_global();
 }
 
@@ -974,7 +999,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     }
     if constexpr (CHAIN) {
         if (warp == ISSUER) {
-            if (lane == 0) mm_chain_wait(ch->dep, ch->dep_count);
+            if (lane == 0) mm_chain_wait(ch->dep, ch->spread, ch->poll_ns);
             warp_sync();
         }
     } else {
@@ -1466,8 +1491,9 @@ mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, c
 //
 // Products: kinds -DMM_CHAIN_K<i>=<qtype>,<qtype2 or 0>,<mode> (i < 12), a phase's `kind` indexes them.
 // Every block of the grid must be resident at once (the host launches at most four a multiprocessor, the
-// products' own bound); done[p] counts the blocks past product p and is cleared at the end by the
-// last block past the last product, so a graph replays the launch as it is.
+// products' own bound); done[32 * (spread * p + j)] counts the blocks b = j (mod spread) past phase p, and
+// done[32 * spread * n_phases] all blocks past the last one, the last of which clears every count, so a
+// graph replays the launch as it is (fused_gpu.MM_CHAIN_SPREAD, MM_CHAIN_POLL_NS: A/B knobs).
 struct MmPhase {                                 // one product: an mm_tc launch's arguments (fused_gpu.op_mm_chain)
     const MmSeg* segs;
     const u16* x16;
@@ -1566,7 +1592,8 @@ __device__ __forceinline__ void mm_chain_product(const MmPhase& ph, MmChainBlock
 }
 
 extern "C" __global__ void __launch_bounds__(MM_BLOCK_THREADS(1), 4)
-mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ done, int stage, int n_stages) { TL_SCOPE;
+mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ done, int stage, int n_stages, int spread,
+         int poll_ns) { TL_SCOPE;
     static_assert(MM_SEPARATE_ISSUER(1) && MM_ONE_ROW, "mm_chain: build with the issuer warp and -DMM_ONE_ROW=1");
     DYN_SMEM(unsigned char, dsm);
     const int tid = threadIdx.x;
@@ -1585,8 +1612,9 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
             mbar_init(&empty[k], 4);             // the four computing warps
         }
     __syncthreads();
-    MmChainBlock ch{full, empty, segs_i, segs_c, sres, last, stage, n_stages, nullptr,
-                    (int)gridDim.x, 0, 0, 0, 0u, false};
+    MmChainBlock ch{full, empty, segs_i, segs_c, sres, last, stage, n_stages, nullptr, spread, poll_ns,
+                    0, 0, 0, 0u, false};
+    const int n_counts = 32 * spread * n_phases;
     const bool issuer = (tid >> 5) == MM_ISSUER(1);
     // Programmatic dependent launch: the issuer waits for the launch before the chain after requesting the
     // first product's weights (mm_chain_wait); the computing warps, which have nothing to do before their
@@ -1594,11 +1622,11 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
     if (!issuer) grid_dependency_wait();
     for (int p = 0; p < n_phases; ++p) {
         const MmPhase ph = phases[p];
-        ch.dep = p > 0 ? done + p - 1 : nullptr;
+        ch.dep = p > 0 ? done + 32 * spread * (p - 1) : nullptr;
         ch.trigger = p == n_phases - 1;          // the next launch starts beside the last product's end
         if (ph.kind == MM_CHAIN_PREP) {           // the computing warps of its blocks; the issuer goes on
             if (!issuer && (int)blockIdx.x < ph.gx) {
-                if (tid == 0 && p > 0) mm_chain_wait(done + p - 1, (int)gridDim.x);
+                if (tid == 0) mm_chain_wait(ch.dep, spread, poll_ns);    // (p = 0: the launch before)
                 mm_sync<1>();                    // (thread 0's acquire, then every thread's loads)
                 mm_chain_prep(phases + p, red);
             }
@@ -1654,10 +1682,10 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
             mm_sync<1>();
             if (tid == 0) {
                 if (p < n_phases - 1) {
-                    atomic_add_release(&done[p], 1);
-                } else if (atomic_add_acq_rel(&done[p], 1) == (int)gridDim.x - 1) {
-                    // the last block past the last product: every issuer has passed every wait
-                    for (int q = 0; q < n_phases; ++q) done[q] = 0;
+                    atomic_add_release(&done[32 * (spread * p + (int)blockIdx.x % spread)], 1);
+                } else if (atomic_add_acq_rel(&done[n_counts], 1) == (int)gridDim.x - 1) {
+                    // the last block past the last phase: every issuer has passed every wait
+                    for (int q = 0; q <= n_counts; q += 32) done[q] = 0;
                 }
             }
         }

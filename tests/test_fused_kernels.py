@@ -405,7 +405,8 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
-def test_mm_chain_runs_products_and_preps_as_their_launches(dev):
+@pytest.mark.parametrize("spread", [1, 3])
+def test_mm_chain_runs_products_and_preps_as_their_launches(dev, spread, monkeypatch):
     """mma_matmul.cu's mm_chain (an A/B candidate, not in the step by default): decode's one-row products
     and RMSNorm preps as phases of one persistent launch, every block walking each product's stripe in turn
     with its pipeline carried over (ring, barriers, cursors), waiting for the previous phase's count
@@ -417,7 +418,10 @@ def test_mm_chain_runs_products_and_preps_as_their_launches(dev):
     layers: prep (x + pending sum, norm) -> gate|up (SwiGLU Q4_K) -> ffn_down (ADD Q6_K into the next
     sum) -> prep (folds it) -> gate|up -> ffn_down (ADD Q4_K) -> a two-type STORE reading the second
     gate|up's rows; grids of 4 to 8 blocks with cut row blocks. Every output bit-identical to the launches
-    in order, twice."""
+    in order, twice; with the counts of finished blocks on one line or spread over three
+    (fused_gpu.MM_CHAIN_SPREAD)."""
+    from kernels import fused_gpu
+    monkeypatch.setattr(fused_gpu, "MM_CHAIN_SPREAD", spread)
     name, d, fg = dev
     xp = fg.xp
     if name == "emu":

@@ -12,6 +12,7 @@
 # start of a line of kernels/*.py or daemons/*.py), which must be there exactly once, e.g.
 #   tests/bench/ab_bench.sh def:MM_WIDE_TRIGGER_AHEAD=-1 def:MM_BARRIER_PIPE=0 \
 #       'def:WIDE_SWIGLU_VARIANT=("MM_GRID=3", "MM_STAGES=3")'
+# Several knobs in one build: join them with '+', e.g. 'def:CHAIN_STEP=2+def:MM_CHAIN_SPREAD=8'.
 # CONTROL=1 adds an identical copy of this checkout as one more build: in one machine session a build
 # can run ~0.2 ms fast at W=23 for the whole call (GPU_NOTES, fourteenth session), so a lone difference
 # of that size needs the control beside it. At the end, tests/bench/ab_summary.py prints the graph
@@ -31,23 +32,28 @@ trees=("$PWD")
 for arg in "$@"; do
     case "$arg" in
     def:*=*)
-        spec="${arg#def:}"; name="${spec%%=*}"; value="${spec#*=}"
-        tree="$(mktemp -d)/$(printf '%s' "$name=$value" | tr -c 'A-Za-z0-9_=.,+-' '_')"
+        tree="$(mktemp -d)/$(printf '%s' "${arg#def:}" | tr -c 'A-Za-z0-9_=.,+-' '_')"
         copy_checkout "$tree"
         cu=("$tree"/kernels/*.cu "$tree"/kernels/*.cuh)
         py=("$tree"/kernels/*.py "$tree"/daemons/*.py)
-        n_cu=$(cat "${cu[@]}" | grep -c -x -E "#define $name .*")
-        n_py=$(cat "${py[@]}" | grep -c -E "^$name(: [^=]*)? = ")
-        if [ $((n_cu + n_py)) != 1 ]; then
-            echo "ab_bench: $name is not defined exactly once in kernels/ and daemons/ ($((n_cu + n_py)) definitions)" >&2
-            exit 2
-        fi
-        esc=$(printf '%s' "$value" | sed -e 's/[\\|&]/\\&/g')     # sed's replacement: \ | & literal
-        if [ "$n_cu" = 1 ]; then
-            sed -i -E "s|^#define $name .*\$|#define $name $esc|" "${cu[@]}"
-        else
-            sed -i -E "s|^($name(: [^=]*)?) = .*\$|\1 = $esc|" "${py[@]}"
-        fi
+        rest="${arg#def:}"
+        while [ -n "$rest" ]; do
+            spec="${rest%%+def:*}"
+            if [ "$spec" = "$rest" ]; then rest=""; else rest="${rest#*+def:}"; fi
+            name="${spec%%=*}"; value="${spec#*=}"
+            n_cu=$(cat "${cu[@]}" | grep -c -x -E "#define $name .*")
+            n_py=$(cat "${py[@]}" | grep -c -E "^$name(: [^=]*)? = ")
+            if [ $((n_cu + n_py)) != 1 ]; then
+                echo "ab_bench: $name is not defined exactly once in kernels/ and daemons/ ($((n_cu + n_py)) definitions)" >&2
+                exit 2
+            fi
+            esc=$(printf '%s' "$value" | sed -e 's/[\\|&]/\\&/g')     # sed's replacement: \ | & literal
+            if [ "$n_cu" = 1 ]; then
+                sed -i -E "s|^#define $name .*\$|#define $name $esc|" "${cu[@]}"
+            else
+                sed -i -E "s|^($name(: [^=]*)?) = .*\$|\1 = $esc|" "${py[@]}"
+            fi
+        done
         echo "build $arg: $tree"
         trees+=("$tree") ;;
     *) trees+=("$arg") ;;
