@@ -63,7 +63,7 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
-from kernels.fused_gpu import (GDN_CONV_TOKENS, MAX_T, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX, ActBuffer, FusedGpu,
+from kernels.fused_gpu import (GDN_CONV_TOKENS, MAX_T, MM_CHAIN_PREP, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX, ActBuffer, FusedGpu,
                                MmWorkspace, Op, TcWeight, att_launch_splits)
 
 __all__ = ["Qwen35GpuStep", "GreedyChain", "GpuVerifyRecord", "step_supported"]
@@ -78,8 +78,9 @@ WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()
 # launches that fused_gpu.op_mm_chain can take as one persistent launch: 1 the products (each layer's gate|up
 # and ffn_down), 2 the products and the one-row norm preps between them (a layer's mixer output product,
 # post-norm prep, gate|up, ffn_down, the next layer's attn-norm prep and its input products; the output norm
-# and the output product). The same bits; each block requests the next product's first weights as it
-# leaves one, and a prep's blocks run it while the others wait with theirs requested.
+# and the output product), 3 also DeltaNet's gated norm before its output product. The same bits; each block
+# requests the next product's first weights as it leaves one, and a prep's blocks run it while the others
+# wait with theirs requested.
 CHAIN_STEP = 0
 
 
@@ -381,9 +382,12 @@ class Qwen35GpuStep:
 
     def _chained(self, ops: list[Any]) -> list[Any]:
         """CHAIN_STEP: every run of two or more adjacent launches that a chain can take (products; with
-        2 also one-row norm preps), holding a product, as one op_mm_chain launch."""
+        2 also one-row norm preps; with 3 also DeltaNet's gated norm), holding a product, as one op_mm_chain
+        launch."""
         def takes(op) -> bool:
-            return bool(getattr(op, "mm_kind", ())) or (CHAIN_STEP >= 2 and bool(getattr(op, "chain_prep", ())))
+            phase = getattr(op, "chain_phase", {})
+            return (bool(getattr(op, "mm_kind", ())) or (CHAIN_STEP >= 2 and phase.get("kind") == MM_CHAIN_PREP)
+                    or (CHAIN_STEP >= 3 and bool(phase)))
         out: list[Any] = []
         run: list[Any] = []
         for op in ops + [None]:
@@ -391,7 +395,12 @@ class Qwen35GpuStep:
                 run.append(op)
                 continue
             if len(run) >= 2 and any(o.mm_kind for o in run):
-                out.append(self.fg.op_mm_chain(run[0].label.split("mm ")[0] + f"chain of {len(run)}", run))
+                # "blk.<first op's layer>.chain of n: <first> .. <last>" (the launch's kind without its layers,
+                # as the bench's profile groups launches)
+                first, last = (o.label.split(".", 2)[2] if o.label.startswith("blk.") else o.label
+                               for o in (run[0], run[-1]))
+                label = f"{run[0].label[:len(run[0].label) - len(first)]}chain of {len(run)}: {first} .. {last}"
+                out.append(self.fg.op_mm_chain(label, run))
             else:
                 out += run
             run = []

@@ -44,9 +44,10 @@ PHASE_DTYPE = np.dtype([("segs", "<u8"), ("x16", "<u8"), ("xs", "<u8"), ("ws", "
                         ("out16", "<u8"), ("outxs", "<u8"), ("kind", "<i4"), ("n_segs", "<i4"), ("n_sb", "<i4"),
                         ("T", "<i4"), ("gx", "<i4"), ("split", "<i4"), ("n_segs_a", "<i4"), ("n_rb_a", "<i4"),
                         ("x", "<u8"), ("w", "<u8"), ("acc", "<u8"), ("x_out", "<u8"), ("acc_zero", "<u8"),
-                        ("eps", "<f4"), ("K", "<i4")])
+                        ("eps", "<f4"), ("K", "<i4"), ("ld", "<i4"), ("d", "<i4")])
 MM_CHAIN_PREP = 255                 # mma_matmul.cu: a phase that is a prep (RMSNorm of one row), not a product
-MM_CHAIN_HEADER = 2048              # mma_matmul.cu: the chain block's barriers and small state, after its ring
+MM_CHAIN_GNORM = 254                # ... DeltaNet's gated norm of one row (gdn_out_prep)
+MM_CHAIN_HEADER = 4096              # mma_matmul.cu: the chain block's barriers and small state, after its ring
 MM_CHAIN_MAX_KINDS = 12             # mma_matmul.cu MM_CHAIN_K0 .. K11
 # A/B knobs of op_mm_chain (ab_bench.sh 'def:CHAIN_STEP=2+def:MM_CHAIN_SPREAD=8'): the counts of a phase's
 # finished blocks spread over this many lines (block b counts in line b % spread: hundreds of arrivals on one
@@ -321,11 +322,11 @@ class Op:
     # The kernel calls grid_dependency_wait() before reading what earlier launches wrote, so it may
     # be launched with programmatic dependent launch (kernels/cuda_backend.py launch_pdl).
     pdl: bool = True
-    # An mm_tc launch's (qtype, second qtype or 0, mode, variant defines), or a one-row norm prep's row
-    # (x, w, acc, x_out, acc_zero as row addresses or 0, eps, K, out16, outxs): what op_mm_chain needs to
-    # run it as a phase of a chain.
+    # An mm_tc launch's (qtype, second qtype or 0, mode, variant defines), or the phase-table fields of a
+    # one-row launch mma_matmul.cu's mm_chain can run as a phase (kind MM_CHAIN_PREP: an RMSNorm prep;
+    # MM_CHAIN_GNORM: DeltaNet's gated norm): what op_mm_chain needs to run it in a chain.
     mm_kind: tuple = ()
-    chain_prep: tuple = ()
+    chain_phase: dict = field(default_factory=dict)
 
     def __call__(self) -> None:
         self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
@@ -518,14 +519,10 @@ class FusedGpu:
         stage = 0
         keep: list[Any] = []
         for i, op in enumerate(ops):
-            if op.chain_prep:
-                x, w, acc, x_out, acc_zero, eps, K, out16, outxs = op.chain_prep
+            if op.chain_phase:
                 row = table[i]
-                for name, v in (("x", x), ("w", w), ("acc", acc), ("x_out", x_out), ("acc_zero", acc_zero),
-                                ("out16", out16), ("outxs", outxs)):
+                for name, v in op.chain_phase.items():
                     row[name] = v
-                row["kind"], row["eps"], row["K"], row["T"] = MM_CHAIN_PREP, eps, K, 1
-                row["gx"] = -(-K // PREP_COLS)                  # a block a 256-column chunk
                 keep += list(op.keep) + [a for a in op.args if getattr(a, "ndim", 0)]
                 continue
             if not op.mm_kind:
@@ -588,12 +585,14 @@ class FusedGpu:
                 raise ValueError(f"{label}: {dt} buffer expected, got {a.dtype}")
         args = (x, np.int32(ld_x), np.int32(row0), w, np.float32(eps), np.int32(K), np.int32(1 if norm else 0),
                 act.x16, act.buf, acc, x_out, acc_zero)
-        chain = ()                              # a one-row norm: also a phase op_mm_chain can run
+        chain = {}                              # a one-row norm: also a phase op_mm_chain can run
         if norm and n_rows == 1 and K <= 32 * PREP_COLS:
             def row(a, itemsize):
                 return self.ptr(a) + itemsize * row0 * ld_x if a is not None else 0
-            chain = (row(x, 4), self.ptr(w) if w is not None else 0, row(acc, 8), row(x_out, 4), row(acc_zero, 8),
-                     float(eps), int(K), self.ptr(act.x16), self.ptr(act.buf))
+            chain = dict(kind=MM_CHAIN_PREP, gx=-(-K // PREP_COLS), T=1, x=row(x, 4),      # a block a 256-column chunk
+                         w=self.ptr(w) if w is not None else 0, acc=row(acc, 8), x_out=row(x_out, 4),
+                         acc_zero=row(acc_zero, 8), eps=float(eps), K=int(K), out16=self.ptr(act.x16),
+                         outxs=self.ptr(act.buf))
         cl_cols = prep_cluster_cols(K, n_rows, col_blocks) if norm else None
         if cluster is None:
             cluster = cl_cols is not None and self.clusters
@@ -602,13 +601,13 @@ class FusedGpu:
                 raise ValueError(f"{label}: no cluster prep for {K} columns{'' if self.clusters else ' on this device'}")
             n_cb = -(-K // cl_cols)
             return Op(label, self._k("fused.cu", f"prep_rows_cly{n_cb}"), (n_rows, n_cb), (FUSED_THREADS,),
-                      args + (np.int32(cl_cols),), PREP_SMEM_CLUSTER, chain_prep=chain)
+                      args + (np.int32(cl_cols),), PREP_SMEM_CLUSTER, chain_phase=chain)
         cols = prep_block_cols(K, n_rows, col_blocks)
         kern = self._k("fused.cu", "prep_rows")
         smem = 4 * (-(-K // 4) * 4 if norm else cols)         # the folded row, or the block's columns
         self._smem(kern, smem)
         return Op(label, kern, (n_rows, -(-K // cols)), (FUSED_THREADS,), args + (np.int32(cols),), smem,
-                  chain_prep=chain)
+                  chain_phase=chain)
 
     def op_embed(self, label: str, weight: Any, ids_dev, out, T: int) -> Op:
         """out[0:T] = rows ids_dev[0:T] of the raw GGUF embedding (kernels.cuda_backend.GpuWeight)."""
@@ -678,7 +677,13 @@ class FusedGpu:
             raise ValueError(f"{label}: z is an int64 fixed-point sum (got {z.dtype})")
         kern = self._k("fused.cu", "gdn_out_prep")
         args = (o, z, np.int32(ldz), w, np.float32(eps), np.int32(nv), np.int32(dv), act.x16, act.buf)
-        return Op(label, kern, (T, -(-(nv * dv) // PREP_COLS)), (FUSED_THREADS,), args)
+        n_cb = -(-(nv * dv) // PREP_COLS)
+        chain = {}                              # one row: also a phase op_mm_chain can run
+        if T == 1 and dv % 8 == 0:
+            chain = dict(kind=MM_CHAIN_GNORM, gx=n_cb, T=1, x=self.ptr(o), acc_zero=self.ptr(z), w=self.ptr(w),
+                         eps=float(eps), K=nv * dv, ld=int(ldz), d=int(dv), out16=self.ptr(act.x16),
+                         outxs=self.ptr(act.buf))
+        return Op(label, kern, (T, n_cb), (FUSED_THREADS,), args, chain_phase=chain)
 
     def op_attn_qk_rope_kv(self, label: str, qg, k, v, q_norm, k_norm, eps: float, params, tbl, slot: int, qout,
                            H: int, Hkv: int, D: int, n_rot: int, theta: float, T: int) -> Op:

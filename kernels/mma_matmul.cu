@@ -1503,7 +1503,8 @@ struct MmPhase {                                 // one product: an mm_tc launch
     u16* out16;                                  // (a prep's output too)
     u16* outxs;
     int kind, n_segs, n_sb, T, gx, split, n_segs_a, n_rb_a;
-    // kind MM_CHAIN_PREP: fused.cu prep_rows' arguments for one row with its norm (mm_chain_prep)
+    // kind MM_CHAIN_PREP: fused.cu prep_rows' arguments for one row with its norm (mm_chain_prep);
+    // kind MM_CHAIN_GNORM: gdn_out_prep's for one row (x = o, acc = acc_zero = z, ld = ldz, d = dv)
     const float* x;
     const float* w;
     const long long* acc;
@@ -1511,9 +1512,11 @@ struct MmPhase {                                 // one product: an mm_tc launch
     long long* acc_zero;
     float eps;
     int K;
+    int ld, d;
 };
 #define MM_CHAIN_PREP 255                        // a phase's kind: a prep, not a product
-#define MM_CHAIN_HEADER 2048                     // after the ring: barriers, segments, verdicts, result row, prep sums
+#define MM_CHAIN_GNORM 254                       // ... DeltaNet's gated norm of one row
+#define MM_CHAIN_HEADER 4096                     // after the ring: barriers, segments, verdicts, result row, scratch
 #define MM_CHAIN_MAX_STAGES 8
 #include "act_write.cuh"
 
@@ -1575,6 +1578,47 @@ __device__ __noinline__ void mm_chain_prep(const MmPhase* __restrict__ php, floa
     mm_sync<1>();                                // red is reused by the next prep
 }
 
+// A gated-norm phase (kind MM_CHAIN_GNORM: fused.cu gdn_out_prep for one row, y = RMSNorm(o; w) * silu(z)
+// per head of d_v, then act16) on the computing warps of blocks [0, gx), 256 columns a block as
+// gdn_out_prep's blocks: each head's sum of squares in its order (lane l: columns l, l + 32, ... of the
+// head, then the warp's xor tree), z read and cleared, the act16 rows and block sums through act_group.
+// The same bits as gdn_out_prep (tests/test_fused_kernels.py).
+__device__ __noinline__ void mm_chain_gnorm(const MmPhase* __restrict__ php, float* scratch /* [2 * 256 + 1] */) {
+    const MmPhase& ph = *php;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int K = ph.K, dv = ph.d, n0 = 256 * (int)blockIdx.x, count = min(256, K - n0);
+    const int h0 = n0 / dv, h1 = (n0 + count - 1) / dv;
+    float* vals = scratch;                       // [256]
+    float* inv_h = scratch + 256;                // [257]
+    const float* o = ph.x;
+    long long* z = ph.acc_zero;
+    for (int h = h0 + warp; h <= h1; h += MM_THREADS / 32) {
+        float ss = 0.0f;
+#pragma unroll 4
+        for (int i = lane; i < dv; i += 32) {
+            const float v = ldcg_f32(o + h * dv + i);
+            ss += v * v;
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) ss += shfl_xor(ss, m);
+        if (lane == 0) inv_h[h - h0] = (float)(1.0 / sqrt((double)ss / (double)dv + (double)ph.eps));
+    }
+    mm_sync<1>();
+    for (int c = tid; c < count; c += MM_THREADS) {
+        const int n = n0 + c;
+        const float zv = fixed_to_float(ldcg_s64(z + n));
+        z[n] = 0;                                // read: cleared for the next layer's matmul
+        const float ov = ldcg_f32(o + n);
+        vals[c] = silu_f(zv) * (ov * inv_h[n / dv - h0] * ph.w[n % dv]);
+    }
+    mm_sync<1>();
+    if (warp == 0) {                             // 8 columns a lane (act_group: 4 lanes a 32-column block)
+        const int n_groups = count >> 3;
+        act_group(vals + 8 * min(lane, n_groups - 1), lane < n_groups, n0 + 8 * lane, 0, 1, ph.out16, ph.outxs);
+    }
+    mm_sync<1>();                                // the scratch is reused by the next phase
+}
+
 template <int QT, int QT2, int MODE>
 __device__ __forceinline__ void mm_chain_product(const MmPhase& ph, MmChainBlock* ch) {
     const int b = (int)blockIdx.x;
@@ -1603,8 +1647,8 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
     MmSeg* segs_c = segs_i + 4;
     int* last = (int*)(segs_c + 4);
     float* sres = (float*)(last + 4);
-    float* red = (float*)((unsigned char*)full + 1024);      // [8 * 32] a prep's sums
-    static_assert(16 * 8 + 8 * sizeof(MmSeg) + 16 + MM_SROW * 4 <= 1024 && 1024 + 8 * 32 * 4 <= MM_CHAIN_HEADER,
+    float* red = (float*)((unsigned char*)full + 1024);      // scratch: a prep's sums, a gated norm's rows
+    static_assert(16 * 8 + 8 * sizeof(MmSeg) + 16 + MM_SROW * 4 <= 1024 && 1024 + (2 * 256 + 1) * 4 <= MM_CHAIN_HEADER,
                   "mm_chain header");
     if (tid == 0)
         for (int k = 0; k < n_stages; ++k) {
@@ -1624,11 +1668,12 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
         const MmPhase ph = phases[p];
         ch.dep = p > 0 ? done + 32 * spread * (p - 1) : nullptr;
         ch.trigger = p == n_phases - 1;          // the next launch starts beside the last product's end
-        if (ph.kind == MM_CHAIN_PREP) {           // the computing warps of its blocks; the issuer goes on
+        if (ph.kind == MM_CHAIN_PREP || ph.kind == MM_CHAIN_GNORM) {   // its blocks' computing warps; the issuer goes on
             if (!issuer && (int)blockIdx.x < ph.gx) {
                 if (tid == 0) mm_chain_wait(ch.dep, spread, poll_ns);    // (p = 0: the launch before)
                 mm_sync<1>();                    // (thread 0's acquire, then every thread's loads)
-                mm_chain_prep(phases + p, red);
+                if (ph.kind == MM_CHAIN_PREP) mm_chain_prep(phases + p, red);
+                else mm_chain_gnorm(phases + p, red);
             }
         } else if ((int)blockIdx.x < ph.gx) {
             switch (ph.kind) {

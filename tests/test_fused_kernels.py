@@ -523,6 +523,46 @@ def test_mm_chain_prep_sums_in_prep_rows_order(dev):
     assert not results[0][-1].any()
 
 
+@pytest.mark.parametrize("dv", [128, 96])
+def test_mm_chain_gated_norm_equals_gdn_out_prep(dev, dv):
+    """A gated-norm phase of mm_chain (CHAIN_STEP 3: DeltaNet's output norm before its output product)
+    gives gdn_out_prep's bits: each head's sum of squares in its order, y = norm * w * silu(z), z's fixed-point
+    sums cleared, the act16 row and block sums; heads of 128 columns (two a 256-column block) and of 96
+    (heads across blocks, the last block short). Then a product reads the rows in the same chain."""
+    name, d, fg = dev
+    xp = fg.xp
+    if name == "emu":
+        fg = FusedGpu(d)
+        fg.n_sm = 2
+    rng = np.random.default_rng(67)
+    nv = 6
+    K = nv * dv
+    K_pad = -(-K // 256) * 256                   # the product's columns: whole superblocks (zero past K)
+    wt = fg.repack("w", QT_Q4_K, 64, K_pad, _scaled_raw(QT_Q4_K, 64, K_pad, rng))
+    ws = MmWorkspace(xp, *fg.workspace_need([wt], MODE_STORE))
+    o = xp.asarray((rng.standard_normal((1, K)) * 10.0 ** rng.uniform(-1, 1, (1, K))).astype(np.float32))
+    ldz = K + 8
+    z = xp.asarray(rng.integers(-2 ** 33, 2 ** 33, (1, ldz)))
+    w = xp.asarray(rng.uniform(0.5, 1.5, dv).astype(np.float32))
+    act = ActBuffer(xp, K_pad)
+    y = xp.zeros((1, 64), dtype=xp.float32)
+    ops = [fg.op_gdn_out_prep("gnorm", o, z, ldz, w, 1e-6, nv, dv, act, 1),
+           fg.op_mm("mm", [(wt, y, 0, 64)], act, 1, MODE_STORE, ws)]
+    assert ops[0].chain_phase, "a one-row gated norm is a chain phase"
+    outputs = [z, act.x16, act.buf, y]
+    start = [_h(xp, a).copy() for a in outputs]
+    results = []
+    for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
+        for a, a0 in zip(outputs, start):
+            a[...] = xp.asarray(a0)
+        fn()
+        results.append([_h(xp, a).copy() for a in outputs])
+    for i, (g, ref) in enumerate(zip(results[1], results[0])):
+        assert np.array_equal(g, ref), f"{name} dv={dv}: output {i} of the chained gated norm differs"
+    assert not results[0][0][0, :K].any() and results[0][0][0, K:].any()    # z read and cleared, the rest kept
+    assert np.abs(results[0][3]).max() > 0
+
+
 def test_mm_segments_and_residual_add(dev):
     """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
     prep_rows folds into the residual (x + acc, written to the other x buffer, the next
