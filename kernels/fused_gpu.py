@@ -44,9 +44,11 @@ PHASE_DTYPE = np.dtype([("segs", "<u8"), ("x16", "<u8"), ("xs", "<u8"), ("ws", "
                         ("out16", "<u8"), ("outxs", "<u8"), ("kind", "<i4"), ("n_segs", "<i4"), ("n_sb", "<i4"),
                         ("T", "<i4"), ("gx", "<i4"), ("split", "<i4"), ("n_segs_a", "<i4"), ("n_rb_a", "<i4"),
                         ("x", "<u8"), ("w", "<u8"), ("acc", "<u8"), ("x_out", "<u8"), ("acc_zero", "<u8"),
-                        ("eps", "<f4"), ("K", "<i4"), ("ld", "<i4"), ("d", "<i4")])
+                        ("eps", "<f4"), ("K", "<i4"), ("ld", "<i4"), ("d", "<i4"), ("tbl", "<u8"), ("out", "<u8"),
+                        ("nk", "<i4"), ("nv", "<i4"), ("dk", "<i4"), ("dv", "<i4")])
 MM_CHAIN_PREP = 255                 # mma_matmul.cu: a phase that is a prep (RMSNorm of one row), not a product
 MM_CHAIN_GNORM = 254                # ... DeltaNet's gated norm of one row (gdn_out_prep)
+MM_CHAIN_RECUR = 253                # ... DeltaNet's recurrence for one token (gdn_recur)
 MM_CHAIN_HEADER = 4096              # mma_matmul.cu: the chain block's barriers and small state, after its ring
 MM_CHAIN_MAX_KINDS = 12             # mma_matmul.cu MM_CHAIN_K0 .. K11
 # A/B knobs of op_mm_chain (ab_bench.sh 'def:CHAIN_STEP=2+def:MM_CHAIN_SPREAD=8'): the counts of a phase's
@@ -664,7 +666,12 @@ class FusedGpu:
         self._smem(kern, smem)
         args = (tbl, np.int32(T), n_dev, out, np.int32(nk), np.int32(nv), np.int32(dk), np.int32(dv),
                 np.float32(1.0 / math.sqrt(dk)), np.int32(chunk))
-        return Op(label, kern, (-(-dv // GDN_COLS), nv, n_slots), (GDN_COLS * GDN_PARTS,), args, smem)
+        chain = {}                              # one token of one slot: also a phase op_mm_chain can run
+        if T == 1 and n_dev is None and n_slots == 1 and rpt in (4, 8, 16):
+            chain = dict(kind=MM_CHAIN_RECUR, gx=nv * -(-dv // (MM_THREADS // GDN_PARTS)), T=1, d=rpt, tbl=self.ptr(tbl),
+                         out=self.ptr(out) if out is not None else 0, nk=nk, nv=nv, dk=dk, dv=dv,
+                         eps=float(np.float32(1.0 / math.sqrt(dk))))
+        return Op(label, kern, (-(-dv // GDN_COLS), nv, n_slots), (GDN_COLS * GDN_PARTS,), args, smem, chain_phase=chain)
 
     def op_gdn_commit_conv(self, label: str, tbl, n_slots: int, params, C: int, kc: int) -> Op:
         kern = self._k("fused.cu", "gdn_commit_conv")

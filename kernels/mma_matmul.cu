@@ -1513,9 +1513,14 @@ struct MmPhase {                                 // one product: an mm_tc launch
     float eps;
     int K;
     int ld, d;
+    // kind MM_CHAIN_RECUR: gdn_recur's for one token and one layer slot (d = its RPT, eps = its scale)
+    const unsigned long long* tbl;
+    float* out;
+    int nk, nv, dk, dv;
 };
 #define MM_CHAIN_PREP 255                        // a phase's kind: a prep, not a product
 #define MM_CHAIN_GNORM 254                       // ... DeltaNet's gated norm of one row
+#define MM_CHAIN_RECUR 253                       // ... DeltaNet's recurrence for one token
 #define MM_CHAIN_HEADER 4096                     // after the ring: barriers, segments, verdicts, result row, scratch
 #define MM_CHAIN_MAX_STAGES 8
 #include "act_write.cuh"
@@ -1619,6 +1624,58 @@ __device__ __noinline__ void mm_chain_gnorm(const MmPhase* __restrict__ php, flo
     mm_sync<1>();                                // the scratch is reused by the next phase
 }
 
+// A recurrence phase (kind MM_CHAIN_RECUR: fused.cu gdn_recur for one token, advance or verify by its table)
+// on the computing warps of blocks [0, nv * ceil(d_v / 16)): a block owns 16 value columns of one head, each
+// column's d_k state rows over 8 adjacent lanes as gdn_recur's (deltanet_step.cuh dn_token<RPT, 8>: the same
+// token arithmetic, so the same bits). The state is loaded (and backed up) before the wait for the phase
+// before, as gdn_recur loads it before its dependency wait; q, k, v and the gates are read past L1.
+#define DN_SHFL_XOR(v, m) shfl_xor(v, m)
+#include "deltanet_step.cuh"
+template <int RPT>
+__device__ __noinline__ void mm_chain_recur(const MmPhase* __restrict__ php, float* scratch, const int* dep, int spread,
+                                            int poll_ns) {
+    constexpr int PARTS = 8, COLS = MM_THREADS / PARTS, DKP = PARTS * RPT;
+    const MmPhase& ph = *php;
+    const int tid = threadIdx.x;
+    const int nk = ph.nk, nv = ph.nv, dk = ph.dk, dv = ph.dv, n_cg = (dv + COLS - 1) / COLS;
+    const int h = (int)blockIdx.x / n_cg, cg = (int)blockIdx.x % n_cg, kh = h % nk;
+    const unsigned long long* tbl = ph.tbl;
+    const float* rec = (const float*)tbl[0];
+    const float* S_in = (const float*)tbl[1] + (size_t)h * dk * dv;
+    float* S_out = tbl[2] ? (float*)tbl[2] + (size_t)h * dk * dv : nullptr;
+    float* S_bak = tbl[3] ? (float*)tbl[3] + (size_t)h * dk * dv : nullptr;
+    const int C = 2 * nk * dk + nv * dv;
+    const int lcol = tid / PARTS, col = cg * COLS + lcol, part = tid % PARTS;
+    const bool col_ok = col < dv;
+    const size_t cbase = (size_t)(col_ok ? col : 0) * dk;
+    float s[RPT];
+    dn_col_load<RPT, PARTS>(s, S_in + cbase, part, dk, col_ok);
+    if (S_bak != nullptr && col_ok) dn_col_store<RPT, PARTS>(S_bak + cbase, s, part, dk);
+    if (tid == 0) mm_chain_wait(dep, spread, poll_ns);
+    mm_sync<1>();                                // (thread 0's acquire, then every thread's loads)
+    float* sq = scratch;                         // [DKP] q, [DKP] k, [COLS] v, decay, beta
+    float* sk = sq + DKP;
+    float* sv = sk + DKP;
+    float* sg = sv + COLS;
+    for (int i = tid; i < DKP; i += MM_THREADS) {
+        sq[i] = i < dk ? ldcg_f32(rec + kh * dk + i) : 0.0f;
+        sk[i] = i < dk ? ldcg_f32(rec + nk * dk + kh * dk + i) : 0.0f;
+    }
+    if (tid < COLS) {
+        const int cc = cg * COLS + tid;
+        sv[tid] = cc < dv ? ldcg_f32(rec + 2 * nk * dk + h * dv + cc) : 0.0f;
+    }
+    if (tid == 0) {
+        sg[0] = expf(ldcg_f32(rec + C + h));
+        sg[1] = ldcg_f32(rec + C + nv + h);
+    }
+    mm_sync<1>();
+    const float o = dn_token<RPT, PARTS>(s, sk, sq, sv[lcol], sg[0], sg[1], part);
+    if (ph.out != nullptr && col_ok && part == 0) ph.out[(size_t)h * dv + col] = o * ph.eps;
+    if (S_out != nullptr && col_ok) dn_col_store<RPT, PARTS>(S_out + cbase, s, part, dk);
+    mm_sync<1>();                                // the scratch is reused by the next phase
+}
+
 template <int QT, int QT2, int MODE>
 __device__ __forceinline__ void mm_chain_product(const MmPhase& ph, MmChainBlock* ch) {
     const int b = (int)blockIdx.x;
@@ -1668,12 +1725,18 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
         const MmPhase ph = phases[p];
         ch.dep = p > 0 ? done + 32 * spread * (p - 1) : nullptr;
         ch.trigger = p == n_phases - 1;          // the next launch starts beside the last product's end
-        if (ph.kind == MM_CHAIN_PREP || ph.kind == MM_CHAIN_GNORM) {   // its blocks' computing warps; the issuer goes on
+        if (ph.kind >= MM_CHAIN_RECUR) {          // a small phase: its blocks' computing warps; the issuer goes on
             if (!issuer && (int)blockIdx.x < ph.gx) {
-                if (tid == 0) mm_chain_wait(ch.dep, spread, poll_ns);    // (p = 0: the launch before)
-                mm_sync<1>();                    // (thread 0's acquire, then every thread's loads)
-                if (ph.kind == MM_CHAIN_PREP) mm_chain_prep(phases + p, red);
-                else mm_chain_gnorm(phases + p, red);
+                if (ph.kind == MM_CHAIN_RECUR) {                 // (waits itself, after its state loads)
+                    if (ph.d == 4) mm_chain_recur<4>(phases + p, red, ch.dep, spread, poll_ns);
+                    else if (ph.d == 8) mm_chain_recur<8>(phases + p, red, ch.dep, spread, poll_ns);
+                    else mm_chain_recur<16>(phases + p, red, ch.dep, spread, poll_ns);
+                } else {
+                    if (tid == 0) mm_chain_wait(ch.dep, spread, poll_ns);    // (p = 0: the launch before)
+                    mm_sync<1>();                // (thread 0's acquire, then every thread's loads)
+                    if (ph.kind == MM_CHAIN_PREP) mm_chain_prep(phases + p, red);
+                    else mm_chain_gnorm(phases + p, red);
+                }
             }
         } else if ((int)blockIdx.x < ph.gx) {
             switch (ph.kind) {

@@ -563,6 +563,55 @@ def test_mm_chain_gated_norm_equals_gdn_out_prep(dev, dv):
     assert np.abs(results[0][3]).max() > 0
 
 
+@pytest.mark.parametrize("dk", [32, 128])
+def test_mm_chain_recurrence_equals_gdn_recur(dev, dk):
+    """A recurrence phase of mm_chain (CHAIN_STEP 3: DeltaNet's gdn_recur for one token, 16 value columns a
+    block where the launch has 32) gives gdn_recur's bits: the output row and the state written in place
+    (advance), or the state left and its backup written (a verify table); d_k 32 and 128 (dn_token<4> and
+    <16>, the 27B's). A product follows it in the chain."""
+    name, d, fg = dev
+    xp = fg.xp
+    if name == "emu":
+        fg = FusedGpu(d)
+        fg.n_sm = 4
+    rng = np.random.default_rng(71)
+    nk, nv, dv = 1, 2, dk                        # (16 blocks of 16 columns at d_v = 128)
+    C = 2 * nk * dk + nv * dv
+    R = C + 2 * nv
+    rec_h = rng.standard_normal((1, R)).astype(np.float32)
+    rec_h[0, :2 * nk * dk] /= np.sqrt(dk)                     # q, k about unit norm (as gdn_conv leaves them)
+    rec_h[0, C:C + nv] = -np.abs(rec_h[0, C:C + nv])          # log decays
+    rec_h[0, C + nv:] = 1.0 / (1.0 + np.exp(-rec_h[0, C + nv:]))
+    S_h = rng.standard_normal((nv, dv, dk)).astype(np.float32)
+    wt = fg.repack("w", QT_Q4_K, 64, 256, _scaled_raw(QT_Q4_K, 64, 256, rng))
+    ws = MmWorkspace(xp, *fg.workspace_need([wt], MODE_STORE))
+    act, _ = _act(fg, rng.standard_normal((1, 256)).astype(np.float32), 256)
+    y = xp.zeros((1, 64), dtype=xp.float32)
+    rec = xp.asarray(rec_h)
+    for mode in ("advance", "verify"):
+        S, bak, o = xp.array(S_h), xp.zeros(S_h.shape, dtype=xp.float32), xp.zeros((1, nv * dv), dtype=xp.float32)
+        ptrs = [fg.ptr(rec), fg.ptr(S), fg.ptr(S), 0] if mode == "advance" else [fg.ptr(rec), fg.ptr(S), 0, fg.ptr(bak)]
+        tbl = xp.asarray(np.array(ptrs, dtype=np.uint64))
+        ops = [fg.op_gdn_recur("r", tbl, 1, 1, None, o, nk, nv, dk, dv),
+               fg.op_mm("mm", [(wt, y, 0, 64)], act, 1, MODE_STORE, ws)]
+        assert ops[0].chain_phase, "one token of one slot is a chain phase"
+        outputs = [S, bak, o, y]
+        results = []
+        for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
+            S[...] = xp.array(S_h)
+            for a in (bak, o, y):
+                a[...] = 0
+            fn()
+            results.append([_h(xp, a).copy() for a in outputs])
+        for i, (g, ref) in enumerate(zip(results[1], results[0])):
+            assert np.array_equal(g, ref), f"{name} dk={dk} {mode}: output {i} of the chained recurrence differs"
+        assert results[0][2].any()
+        if mode == "advance":
+            assert not np.array_equal(results[0][0], S_h)
+        else:
+            assert np.array_equal(results[0][0], S_h) and np.array_equal(results[0][1], S_h)
+
+
 def test_mm_segments_and_residual_add(dev):
     """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
     prep_rows folds into the residual (x + acc, written to the other x buffer, the next

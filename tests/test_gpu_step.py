@@ -176,6 +176,7 @@ def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch,
             left = [o for o in ops if getattr(o, "chain_phase", {}) and (on == 3 or o.chain_phase["kind"] == MM_CHAIN_PREP)]
             assert len(chains) == 5 and not left, [o.label for o in ops]
             assert sum(o.label.endswith("gdn_out_prep") for o in ops) == (3 if on == 2 else 0)
+            assert sum(o.label.endswith("gdn_recur") for o in ops) == (3 if on == 2 else 0)
         assert not any("chain of" in o.label for o in dev.gpu_step.ops_for(3, "verify", "all"))
         state = dev.new_state(64)
         rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
