@@ -78,9 +78,10 @@ WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()
 # launches that fused_gpu.op_mm_chain can take as one persistent launch: 1 the products (each layer's gate|up
 # and ffn_down), 2 the products and the one-row norm preps between them (a layer's mixer output product,
 # post-norm prep, gate|up, ffn_down, the next layer's attn-norm prep and its input products; the output norm
-# and the output product), 3 also DeltaNet's gated norm before its output product. The same bits; each block
-# requests the next product's first weights as it leaves one, and a prep's blocks run it while the others
-# wait with theirs requested.
+# and the output product), 3 also DeltaNet's conv, recurrence and gated norm (its layers whole: a chain from
+# one attention layer's output product to the next one's input product). The same bits; each block requests
+# the next product's first weights as it leaves one, and a small phase's blocks run it while the others wait
+# with theirs requested.
 CHAIN_STEP = 0
 
 
@@ -382,8 +383,8 @@ class Qwen35GpuStep:
 
     def _chained(self, ops: list[Any]) -> list[Any]:
         """CHAIN_STEP: every run of two or more adjacent launches that a chain can take (products; with
-        2 also one-row norm preps; with 3 also DeltaNet's gated norm), holding a product, as one op_mm_chain
-        launch."""
+        2 also one-row norm preps; with 3 also DeltaNet's conv, recurrence and gated norm), holding a
+        product, as one op_mm_chain launch."""
         def takes(op) -> bool:
             phase = getattr(op, "chain_phase", {})
             return (bool(getattr(op, "mm_kind", ())) or (CHAIN_STEP >= 2 and phase.get("kind") == MM_CHAIN_PREP)

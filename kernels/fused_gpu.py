@@ -45,11 +45,14 @@ PHASE_DTYPE = np.dtype([("segs", "<u8"), ("x16", "<u8"), ("xs", "<u8"), ("ws", "
                         ("T", "<i4"), ("gx", "<i4"), ("split", "<i4"), ("n_segs_a", "<i4"), ("n_rb_a", "<i4"),
                         ("x", "<u8"), ("w", "<u8"), ("acc", "<u8"), ("x_out", "<u8"), ("acc_zero", "<u8"),
                         ("eps", "<f4"), ("K", "<i4"), ("ld", "<i4"), ("d", "<i4"), ("tbl", "<u8"), ("out", "<u8"),
-                        ("nk", "<i4"), ("nv", "<i4"), ("dk", "<i4"), ("dv", "<i4")])
+                        ("nk", "<i4"), ("nv", "<i4"), ("dk", "<i4"), ("dv", "<i4"), ("ab", "<u8"), ("dt_bias", "<u8"),
+                        ("ssm_a", "<u8"), ("state_save", "<u8"), ("ab_clear", "<u8"), ("slot", "<i4"), ("pad_", "<i4")])
 MM_CHAIN_PREP = 255                 # mma_matmul.cu: a phase that is a prep (RMSNorm of one row), not a product
 MM_CHAIN_GNORM = 254                # ... DeltaNet's gated norm of one row (gdn_out_prep)
 MM_CHAIN_RECUR = 253                # ... DeltaNet's recurrence for one token (gdn_recur)
-MM_CHAIN_HEADER = 4096              # mma_matmul.cu: the chain block's barriers and small state, after its ring
+MM_CHAIN_CONV = 252                 # ... DeltaNet's causal conv and gates for one token (gdn_conv)
+MM_CHAIN_SCRATCH = 8192 - 1024      # mma_matmul.cu: a chain block's scratch for its small phases (bytes)
+MM_CHAIN_HEADER = 8192              # mma_matmul.cu: the chain block's barriers and small state, after its ring
 MM_CHAIN_MAX_KINDS = 12             # mma_matmul.cu MM_CHAIN_K0 .. K11
 # A/B knobs of op_mm_chain (ab_bench.sh 'def:CHAIN_STEP=2+def:MM_CHAIN_SPREAD=8'): the counts of a phase's
 # finished blocks spread over this many lines (block b counts in line b % spread: hundreds of arrivals on one
@@ -648,7 +651,14 @@ class FusedGpu:
         args = (qkv, np.int32(ldq), tbl, np.int32(slot), conv_w, ab, dt_bias, ssm_a, rec, np.int32(T), np.int32(nk),
                 np.int32(nv), np.int32(dk), np.int32(dv), np.int32(kc), np.float32(eps), np.int32(1 if write_state else 0),
                 state_save, qkv_save, qkv_clear, ab_clear, np.int32(tpb))
-        return Op(label, kern, (2 * nk + nv + 1, -(-T // tpb)), (FUSED_THREADS,), args, smem)
+        chain = {}                              # one token that advances the state: also a phase op_mm_chain can run
+        if T == 1 and write_state and qkv_save is None and 4 * width * (2 * kc + 1) <= MM_CHAIN_SCRATCH:
+            chain = dict(kind=MM_CHAIN_CONV, gx=2 * nk + nv + 1, T=1, x=self.ptr(conv_w), acc=self.ptr(qkv), ld=int(ldq),
+                         d=int(kc), tbl=self.ptr(tbl), slot=int(slot), out=self.ptr(rec), eps=float(eps), nk=nk, nv=nv,
+                         dk=dk, dv=dv, ab=self.ptr(ab), dt_bias=self.ptr(dt_bias), ssm_a=self.ptr(ssm_a),
+                         state_save=self.ptr(state_save) if state_save is not None else 0,
+                         ab_clear=self.ptr(ab_clear), acc_zero=self.ptr(qkv_clear))
+        return Op(label, kern, (2 * nk + nv + 1, -(-T // tpb)), (FUSED_THREADS,), args, smem, chain_phase=chain)
 
     def op_gdn_recur(self, label: str, tbl, n_slots: int, T: int, n_dev, out, nk: int, nv: int, dk: int,
                      dv: int) -> Op:

@@ -1517,11 +1517,20 @@ struct MmPhase {                                 // one product: an mm_tc launch
     const unsigned long long* tbl;
     float* out;
     int nk, nv, dk, dv;
+    // kind MM_CHAIN_CONV: gdn_conv's for one token, writing the state (x = conv_w, acc = qkv, ld = ldq,
+    // d = Kc, tbl + slot: the state, out = rec; eps its eps; acc_zero = qkv_clear)
+    const long long* ab;
+    const float* dt_bias;
+    const float* ssm_a;
+    float* state_save;
+    long long* ab_clear;
+    int slot, pad_;
 };
 #define MM_CHAIN_PREP 255                        // a phase's kind: a prep, not a product
 #define MM_CHAIN_GNORM 254                       // ... DeltaNet's gated norm of one row
 #define MM_CHAIN_RECUR 253                       // ... DeltaNet's recurrence for one token
-#define MM_CHAIN_HEADER 4096                     // after the ring: barriers, segments, verdicts, result row, scratch
+#define MM_CHAIN_CONV 252                        // ... DeltaNet's causal conv and gates for one token
+#define MM_CHAIN_HEADER 8192                     // after the ring: barriers, segments, verdicts, result row, scratch
 #define MM_CHAIN_MAX_STAGES 8
 #include "act_write.cuh"
 
@@ -1624,6 +1633,98 @@ __device__ __noinline__ void mm_chain_gnorm(const MmPhase* __restrict__ php, flo
     mm_sync<1>();                                // the scratch is reused by the next phase
 }
 
+// A conv phase (kind MM_CHAIN_CONV: fused.cu gdn_conv for one token that advances the conv state, the decode
+// step's) on the computing warps of blocks [0, 2 nk + nv + 1): a block per q / k / v head's channels and one
+// for the gates, as gdn_conv's blocks, the same items in the same arithmetic (each (token, channel) output
+// summed over its taps in order, silu, the q / k heads' L2 norm by one warp in gdn_conv's order; the gates'
+// softplus and sigmoid), so the same bits; the old state and the taps loaded before the wait, the sums
+// after it past L1, then cleared (the other parity's, as the step passes them).
+__device__ __noinline__ void mm_chain_conv(const MmPhase* __restrict__ php, float* scratch /* 9 * width */,
+                                           const int* dep, int spread, int poll_ns) {
+    const MmPhase& ph = *php;
+    const int tid = threadIdx.x, b = (int)blockIdx.x;
+    const int nk = ph.nk, nv = ph.nv, dk = ph.dk, dv = ph.dv, Kc = ph.d, ldq = ph.ld;
+    const int C = 2 * nk * dk + nv * dv, R = C + 2 * nv, K1 = Kc - 1;
+    const long long* qkv = ph.acc;
+    float* rec = ph.out;
+    if (b == 2 * nk + nv) {                      // the gates
+        if (tid == 0) mm_chain_wait(dep, spread, poll_ns);
+        mm_sync<1>();
+        for (int h = tid; h < nv; h += MM_THREADS) {
+            const float a = fixed_to_float(ldcg_s64(ph.ab + h)) + ph.dt_bias[h];
+            const float bl = fixed_to_float(ldcg_s64(ph.ab + nv + h));
+            const float sp = a > 20.0f ? a : log1pf(expf(fminf(a, 20.0f)));
+            rec[C + h] = ph.ssm_a[h] * sp;
+            rec[C + nv + h] = 1.0f / (1.0f + expf(-bl));
+        }
+        mm_sync<1>();                            // every read of ab is done (ab_clear may be ab itself)
+        for (int h = tid; h < nv; h += MM_THREADS) {
+            ph.ab_clear[h] = 0;
+            ph.ab_clear[nv + h] = 0;
+        }
+        mm_sync<1>();
+        return;
+    }
+    int ch0, width;
+    bool normed;
+    if (b < nk) { ch0 = b * dk; width = dk; normed = true; }
+    else if (b < 2 * nk) { ch0 = nk * dk + (b - nk) * dk; width = dk; normed = true; }
+    else { ch0 = 2 * nk * dk + (b - 2 * nk) * dv; width = dv; normed = false; }
+    float* state = (float*)ph.tbl[ph.slot];
+    float* sm = scratch;                         // the outputs [width]
+    float* sx = sm + width;                      // the newest inputs [width]
+    float* s_old = sx + width;                   // the old state [K1][width]
+    float* s_w = s_old + K1 * width;             // the taps [width][Kc]
+    for (int e = tid; e < K1 * width; e += MM_THREADS) {
+        const int j = e / width, i = e - j * width;
+        const float v = state[(size_t)j * C + ch0 + i];
+        s_old[e] = v;
+        if (ph.state_save != nullptr) ph.state_save[(size_t)j * C + ch0 + i] = v;
+    }
+    for (int e = tid; e < width * Kc; e += MM_THREADS) s_w[e] = ph.x[(size_t)ch0 * Kc + e];
+    if (tid == 0) mm_chain_wait(dep, spread, poll_ns);
+    mm_sync<1>();
+    for (int i = tid; i < width; i += MM_THREADS) {    // token 0's item of channel ch0 + i
+        const int ch = ch0 + i;
+        float y = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j < Kc) {
+                const float xv = j < K1 ? s_old[j * width + i] : fixed_to_float(ldcg_s64(qkv + ch));
+                const float wv = s_w[i * Kc + j];
+                y = j == 0 ? xv * wv : fmaf(xv, wv, y);
+                if (j == K1) sx[i] = xv;
+            }
+        }
+        sm[i] = y / (1.0f + expf(-y));
+    }
+    mm_sync<1>();                                // every read of the old state and of qkv is done
+    for (int i = tid; i < width; i += MM_THREADS) ph.acc_zero[ch0 + i] = 0;
+    for (int i = tid; i < width; i += MM_THREADS) {    // the state after this token (gdn_conv's write_state)
+        const int ch = ch0 + i;
+#pragma unroll
+        for (int j = 0; j < 7; ++j) {
+            if (j < K1) {
+                const int r = 1 + j;             // X[T + j], T = 1: the old rows shift by one, the input last
+                state[(size_t)j * C + ch] = r >= K1 ? sx[i] : s_old[r * width + i];
+            }
+        }
+    }
+    if (tid < 32) {                              // q / k heads: the L2 norm (one warp, gdn_conv's order)
+        const int lane = tid;
+        float inv = 1.0f;
+        if (normed) {
+            float ss = 0.0f;
+            for (int i = lane; i < width; i += 32) ss += sm[i] * sm[i];
+#pragma unroll
+            for (int m = 16; m > 0; m >>= 1) ss += shfl_xor(ss, m);
+            inv = (float)(1.0 / sqrt((double)ss + (double)ph.eps));
+        }
+        for (int i = lane; i < width; i += 32) rec[ch0 + i] = normed ? sm[i] * inv : sm[i];
+    }
+    mm_sync<1>();                                // the scratch is reused by the next phase
+}
+
 // A recurrence phase (kind MM_CHAIN_RECUR: fused.cu gdn_recur for one token, advance or verify by its table)
 // on the computing warps of blocks [0, nv * ceil(d_v / 16)): a block owns 16 value columns of one head, each
 // column's d_k state rows over 8 adjacent lanes as gdn_recur's (deltanet_step.cuh dn_token<RPT, 8>: the same
@@ -1706,7 +1807,7 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
     float* sres = (float*)(last + 4);
     float* red = (float*)((unsigned char*)full + 1024);      // scratch: a prep's sums, a gated norm's rows
     static_assert(16 * 8 + 8 * sizeof(MmSeg) + 16 + MM_SROW * 4 <= 1024 && 1024 + (2 * 256 + 1) * 4 <= MM_CHAIN_HEADER,
-                  "mm_chain header");
+                  "mm_chain header");   // (the scratch from 1024: a conv's 9 * 128 floats at most, fused_gpu)
     if (tid == 0)
         for (int k = 0; k < n_stages; ++k) {
             mbar_init(&full[k], 1);
@@ -1725,9 +1826,11 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
         const MmPhase ph = phases[p];
         ch.dep = p > 0 ? done + 32 * spread * (p - 1) : nullptr;
         ch.trigger = p == n_phases - 1;          // the next launch starts beside the last product's end
-        if (ph.kind >= MM_CHAIN_RECUR) {          // a small phase: its blocks' computing warps; the issuer goes on
+        if (ph.kind >= MM_CHAIN_CONV) {           // a small phase: its blocks' computing warps; the issuer goes on
             if (!issuer && (int)blockIdx.x < ph.gx) {
-                if (ph.kind == MM_CHAIN_RECUR) {                 // (waits itself, after its state loads)
+                if (ph.kind == MM_CHAIN_CONV) {                  // (waits itself, after its state loads)
+                    mm_chain_conv(phases + p, red, ch.dep, spread, poll_ns);
+                } else if (ph.kind == MM_CHAIN_RECUR) {          // (the same)
                     if (ph.d == 4) mm_chain_recur<4>(phases + p, red, ch.dep, spread, poll_ns);
                     else if (ph.d == 8) mm_chain_recur<8>(phases + p, red, ch.dep, spread, poll_ns);
                     else mm_chain_recur<16>(phases + p, red, ch.dep, spread, poll_ns);

@@ -612,6 +612,50 @@ def test_mm_chain_recurrence_equals_gdn_recur(dev, dk):
             assert np.array_equal(results[0][0], S_h) and np.array_equal(results[0][1], S_h)
 
 
+@pytest.mark.parametrize("save", [False, True])
+def test_mm_chain_conv_equals_gdn_conv(dev, save):
+    """A conv phase of mm_chain (CHAIN_STEP 3: DeltaNet's gdn_conv for the one token a decode step advances
+    the conv state by) gives gdn_conv's bits: the record row (q and k L2-normalised, v, the gates), the
+    state shifted by the token, the other parity's sums cleared and the read ones kept; with state_save (a
+    GreedyChain step's backup of the old state) too. A product follows it in the chain."""
+    name, d, fg = dev
+    xp = fg.xp
+    if name == "emu":
+        fg = FusedGpu(d)
+        fg.n_sm = 4
+    rng = np.random.default_rng(73)
+    c = _dn_case(rng, 1, dk=128, dv=128, nk=1, nv=2)
+    C, nk, nv, dk, dv, kc = c["C"], c["nk"], c["nv"], c["dk"], c["dv"], c["kc"]
+    R = C + 2 * nv
+    wt = fg.repack("w", QT_Q4_K, 64, 256, _scaled_raw(QT_Q4_K, 64, 256, rng))
+    ws = MmWorkspace(xp, *fg.workspace_need([wt], MODE_STORE))
+    act, _ = _act(fg, rng.standard_normal((1, 256)).astype(np.float32), 256)
+    y = xp.zeros((1, 64), dtype=xp.float32)
+    conv_state, saved = xp.array(c["state"]), xp.zeros((kc - 1, C), dtype=xp.float32)
+    tbl = xp.asarray(np.array([0, fg.ptr(conv_state)], dtype=np.uint64))     # the state at slot 1
+    rec = xp.zeros((1, R), dtype=xp.float32)
+    qkv, ab = _fx(xp, c["qkv"]), _fx(xp, c["ab"])
+    qkv_other, ab_other = xp.ones((1, C), dtype=xp.int64), xp.ones((1, 2 * nv), dtype=xp.int64)
+    ops = [fg.op_gdn_conv("c", qkv, C, tbl, 1, xp.array(c["conv_w"]), ab, xp.array(c["dt_bias"]), xp.array(c["ssm_a"]),
+                          rec, 1, nk, nv, dk, dv, kc, 1e-6, write_state=True, state_save=saved if save else None,
+                          clear=(qkv_other, ab_other)),
+           fg.op_mm("mm", [(wt, y, 0, 64)], act, 1, MODE_STORE, ws)]
+    assert ops[0].chain_phase, "one token that advances the state is a chain phase"
+    outputs = [conv_state, saved, rec, qkv, ab, qkv_other, ab_other, y]
+    start = [_h(xp, a).copy() for a in outputs]
+    results = []
+    for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
+        for a, a0 in zip(outputs, start):
+            a[...] = xp.asarray(a0)
+        fn()
+        results.append([_h(xp, a).copy() for a in outputs])
+    for i, (g, ref) in enumerate(zip(results[1], results[0])):
+        assert np.array_equal(g, ref), f"{name} save={save}: output {i} of the chained conv differs"
+    ref = results[0]
+    assert not np.array_equal(ref[0], start[0]) and ref[2].any() and not ref[5].any() and not ref[6].any()
+    assert np.array_equal(ref[1], start[0]) if save else not ref[1].any()
+
+
 def test_mm_segments_and_residual_add(dev):
     """ADD: every part of a row block adds round(partial * 2^32) into the int64 accumulator, which
     prep_rows folds into the residual (x + acc, written to the other x buffer, the next

@@ -150,8 +150,8 @@ def test_wide_swiglu_benchmark_variant_runs_and_keeps_the_arithmetic(tmp_path, m
 def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch, level):
     """qwen35_gpu.CHAIN_STEP (an A/B candidate, off by default; `ab_bench.sh def:CHAIN_STEP=1`): a one-row
     step runs its runs of adjacent products (1), or of products and one-row norm preps (2: across the layer
-    boundary, and the output norm with the output product), or also DeltaNet's gated norm (3), as persistent
-    mm_chain launches. Decoding 8
+    boundary, and the output norm with the output product), or also DeltaNet's conv, recurrence and gated norm
+    (3: the DeltaNet layers whole), as persistent mm_chain launches. Decoding 8
     tokens gives the logits and states of the launch-per-op step bit for bit (on the GPU: from captured
     graphs with programmatic dependent launch, each chain between two dependent launches), and a verify
     block keeps its launches."""
@@ -171,12 +171,14 @@ def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch,
         if on == 1:
             assert len(chains) == 4 and all("chain of 2" in o.label for o in chains), [o.label for o in ops]
         elif on >= 2:
-            # 4 layers: the first layer's attn-norm prep and input products, the mixer output (3: from the gated
-            # norm) to the next layer's input (3 times), the last layer's mixer output to the output product
+            # 4 layers (3 DeltaNet, then attention). 2: the first layer's attn-norm prep and input products, the
+            # mixer output to the next layer's input (3 times), the last layer's mixer output to the output
+            # product; 3: the DeltaNet layers whole, from the first prep to the attention layer's q|k|v, then its
+            # output product to the output product
             left = [o for o in ops if getattr(o, "chain_phase", {}) and (on == 3 or o.chain_phase["kind"] == MM_CHAIN_PREP)]
-            assert len(chains) == 5 and not left, [o.label for o in ops]
-            assert sum(o.label.endswith("gdn_out_prep") for o in ops) == (3 if on == 2 else 0)
-            assert sum(o.label.endswith("gdn_recur") for o in ops) == (3 if on == 2 else 0)
+            assert len(chains) == (5 if on == 2 else 2) and not left, [o.label for o in ops]
+            for kind in ("gdn_conv", "gdn_recur", "gdn_out_prep"):
+                assert sum(o.label.endswith(kind) for o in ops) == (3 if on == 2 else 0)
         assert not any("chain of" in o.label for o in dev.gpu_step.ops_for(3, "verify", "all"))
         state = dev.new_state(64)
         rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
