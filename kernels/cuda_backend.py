@@ -269,6 +269,23 @@ class CudaBackend:
     def multiprocessors(self) -> int:
         return int(self._device.attributes.get("MultiProcessorCount", 132))
 
+    def resident_blocks(self, kernel, threads: int, smem: int) -> int | None:
+        """Blocks of `kernel` (a CuPy RawKernel) one multiprocessor holds at once with `threads` threads and
+        `smem` bytes of dynamic shared memory (the driver's occupancy calculator), or None where it cannot
+        be asked (HIP, no driver library). A persistent launch (fused_gpu.op_mm_chain) needs all its blocks
+        resident together."""
+        if self._cp.cuda.runtime.is_hip:
+            return None
+        try:
+            import ctypes
+            fn = getattr(kernel, "kernel", kernel)
+            n = ctypes.c_int()
+            rc = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem))
+            return n.value if rc == 0 else None
+        except Exception:        # noqa: BLE001 - no driver library or symbol
+            return None
+
     @property
     def supports_clusters(self) -> bool:
         """Thread-block clusters (kernels/fused.cu *_cly<N> kernels): CUDA sm_90 and later."""

@@ -564,6 +564,10 @@ class FusedGpu:
         kern = self._k("mma_matmul.cu", "mm_chain", defines)
         smem = MM_CHAIN_HEADER + n_stages * stage
         self._smem(kern, smem)
+        per_sm = getattr(self.dev, "resident_blocks", lambda *a: None)(kern, MM_THREADS + 32, smem)
+        if per_sm is not None and grid > per_sm * self.n_sm:     # its blocks wait for each other: a hang
+            raise ValueError(f"{label}: {grid} blocks of mm_chain, {per_sm} resident a multiprocessor "
+                             f"({smem} bytes of shared memory each)")
         phases = xp.asarray(table.view(np.uint8))
         spread = max(1, min(int(MM_CHAIN_SPREAD), grid))
         done = xp.zeros(32 * (spread * len(ops) + 1), dtype=xp.int32)     # (mma_matmul.cu mm_chain)

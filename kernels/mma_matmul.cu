@@ -754,6 +754,8 @@ __device__ __forceinline__ void mm_chain_wait(const int* dep, int spread, int po
 #if defined(DFLASH_EMU)
         if (spins > 20000000LL) emu_fail("mm_chain: a phase's blocks never finished (deadlock)");
         emu_spin();
+#elif !defined(__HIP_PLATFORM_AMD__)
+        if (spins > (1LL << 25)) __trap();       // (seconds: a launch error, not a device that hangs)
 #endif
     }
     fence_acq_rel();
