@@ -63,8 +63,8 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
-from kernels.fused_gpu import (GDN_CONV_TOKENS, MAX_T, MM_CHAIN_PREP, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX, ActBuffer, FusedGpu,
-                               MmWorkspace, Op, TcWeight, att_launch_splits)
+from kernels.fused_gpu import (GDN_CONV_TOKENS, MAX_T, MM_CHAIN_PREP, MODE_ADD, MODE_STORE, MODE_SWIGLU, TOPK_MAX,
+                               ActBuffer, FusedGpu, MmWorkspace, Op, TcWeight, att_launch_splits)
 
 __all__ = ["Qwen35GpuStep", "GreedyChain", "GpuVerifyRecord", "step_supported"]
 
@@ -74,7 +74,7 @@ __all__ = ["Qwen35GpuStep", "GreedyChain", "GpuVerifyRecord", "step_supported"]
 # ring shorten verify's widest launches? Any value but () gives those launches other stripes than decode's,
 # so verify rows are then no longer decode's bits (the GPU tests fail): never a default.
 WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()
-# A/B candidate (tests/bench/ab_bench.sh def:CHAIN_STEP=1 or 2): a one-row step runs each run of adjacent
+# A/B candidate (tests/bench/ab_bench.sh def:CHAIN_STEP=1, 2 or 3): a one-row step runs each run of adjacent
 # launches that fused_gpu.op_mm_chain can take as one persistent launch: 1 the products (each layer's gate|up
 # and ffn_down), 2 the products and the one-row norm preps between them (a layer's mixer output product,
 # post-norm prep, gate|up, ffn_down, the next layer's attn-norm prep and its input products; the output norm

@@ -328,8 +328,8 @@ class Op:
     # be launched with programmatic dependent launch (kernels/cuda_backend.py launch_pdl).
     pdl: bool = True
     # An mm_tc launch's (qtype, second qtype or 0, mode, variant defines), or the phase-table fields of a
-    # one-row launch mma_matmul.cu's mm_chain can run as a phase (kind MM_CHAIN_PREP: an RMSNorm prep;
-    # MM_CHAIN_GNORM: DeltaNet's gated norm): what op_mm_chain needs to run it in a chain.
+    # one-row launch mma_matmul.cu's mm_chain can run as a phase (kind MM_CHAIN_PREP / GNORM / RECUR / CONV):
+    # what op_mm_chain needs to run it in a chain.
     mm_kind: tuple = ()
     chain_phase: dict = field(default_factory=dict)
 
@@ -509,13 +509,15 @@ class FusedGpu:
                   mm_kind=(qt, types[1] if len(types) > 1 else 0, mode, tuple(variant)))
 
     def op_mm_chain(self, label: str, ops: Sequence[Op]) -> Op:
-        """The one-row products `ops` (op_mm launches of T = 1, in order) as one persistent launch
-        (mma_matmul.cu mm_chain): each block walks every product's stripe in turn, each product on its
-        own launch's grid and stripes, so every output is bit-identical to running the launches in
-        order. An A/B candidate for the decode step (tests/bench/bench_chain_gpu.py, qwen35_gpu.CHAIN_FFN);
-        nothing may run between two of its products. Launched with programmatic dependent launch like
-        the products (it waits for the launch before it, and lets the next one start at its last product's
-        end), and every block must be resident at once: at most four a multiprocessor."""
+        """The one-row launches `ops` (in order: op_mm products of T = 1, and the small launches whose
+        Op.chain_phase says a chain can run them) as one persistent launch (mma_matmul.cu mm_chain): each
+        block walks every product's stripe in turn, each product on its own launch's grid and stripes,
+        and a small phase's blocks run it as its launch's blocks would, so every output is bit-identical to
+        running the launches in order. An A/B candidate for the decode step (tests/bench/bench_chain_gpu.py,
+        qwen35_gpu.CHAIN_STEP); nothing may run between two of its phases. Launched with programmatic
+        dependent launch like the products (it waits for the launch before it, and lets the next one start
+        at its last product's end); every block must be resident at once (at most four a multiprocessor:
+        refused where the driver says fewer fit)."""
         xp = self.xp
         if not ops:
             raise ValueError(f"{label}: no products")
@@ -531,7 +533,7 @@ class FusedGpu:
                 keep += list(op.keep) + [a for a in op.args if getattr(a, "ndim", 0)]
                 continue
             if not op.mm_kind:
-                raise ValueError(f"{label}: {op.label} is neither a tensor-core product nor a one-row prep")
+                raise ValueError(f"{label}: {op.label} is neither a tensor-core product nor a chain phase")
             qt, qt2, mode, variant = op.mm_kind
             (segs, n_segs, x16, xs, n_sb, T, ws, counters, out16, outxs, split, n_segs_a, n_rb_a) = op.args
             if int(T) != 1 or "MM_ONE_ROW=1" not in variant or op.block[0] != MM_THREADS + 32:
@@ -553,9 +555,9 @@ class FusedGpu:
             row["gx"] = op.grid[0]
             stage = max([stage] + [mm_smem_bytes(q, 1, 1) for q in (qt, qt2) if q])    # one stage of each type
             keep += list(op.keep)
-        n_stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
         if stage == 0:
             raise ValueError(f"{label}: no products")
+        n_stages = max(2, min(MM_MAX_STAGES, MM_SMEM_TARGET // stage))
         grid = max(int(r["gx"]) for r in table)
         if grid > MM_BLOCKS_PER_SM * self.n_sm:
             raise ValueError(f"{label}: {grid} blocks cannot all be resident")
