@@ -20,7 +20,6 @@ products' part of that gain with the real kernels before a whole-step kernel is 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 
@@ -30,17 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from profile_gpu_step import _model                    # noqa: E402
-
-
-def _resident_per_sm(op) -> int:
-    """Blocks of op's kernel a multiprocessor holds at once (the driver's occupancy calculator)."""
-    n = ctypes.c_int()
-    fn = getattr(op.kernel, "kernel", op.kernel)
-    rc = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.c_int(op.block[0]), ctypes.c_size_t(op.smem))
-    if rc != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor: error {rc}")
-    return n.value
 
 
 def _timed_graph(b, cp, graph, reps: int, rounds: int) -> float:
@@ -104,7 +92,7 @@ def main() -> None:
 
 
 def _compare(b, cp, prods, chain, reps: int, rounds: int) -> None:
-    per_sm = _resident_per_sm(chain)
+    per_sm = b.resident_blocks(chain.kernel, chain.block[0], chain.smem) or 0
     print(f"mm_chain: grid {chain.grid[0]}, {chain.smem} B dynamic shared memory, "
           f"{getattr(chain.kernel, 'num_regs', 0)} registers, {per_sm} blocks a multiprocessor "
           f"({per_sm * b.multiprocessors} resident)")
