@@ -1489,14 +1489,17 @@ mm_tc(const MmSeg* __restrict__ segs, int n_segs, const u16* __restrict__ x16, c
 // the previous one wrote), then copies the activations. The ring, its barriers and cursors carry over
 // from product to product (MmChainBlock); the issuer warp may be one product ahead of the computing
 // warps. Every product runs mm_tc_impl on its own stripes (its launch's grid gx, its split for two
-// types), so its bits are those of its own launch (tests/test_fused_kernels.py).
+// types), so its bits are those of its own launch (tests/test_fused_kernels.py). Between products a chain
+// may hold small phases, one-row launches of fused.cu rebuilt for a chain block's computing warps with the
+// same arithmetic (below: RMSNorm prep, DeltaNet's conv, recurrence and gated norm), which the issuer skips.
 //
-// Products: kinds -DMM_CHAIN_K<i>=<qtype>,<qtype2 or 0>,<mode> (i < 12), a phase's `kind` indexes them.
+// Products: kinds -DMM_CHAIN_K<i>=<qtype>,<qtype2 or 0>,<mode> (i < 12), a phase's `kind` indexes them;
+// a small phase's kind is one of MM_CHAIN_CONV .. MM_CHAIN_PREP.
 // Every block of the grid must be resident at once (the host launches at most four a multiprocessor, the
 // products' own bound); done[32 * (spread * p + j)] counts the blocks b = j (mod spread) past phase p, and
 // done[32 * spread * n_phases] all blocks past the last one, the last of which clears every count, so a
 // graph replays the launch as it is (fused_gpu.MM_CHAIN_SPREAD, MM_CHAIN_POLL_NS: A/B knobs).
-struct MmPhase {                                 // one product: an mm_tc launch's arguments (fused_gpu.op_mm_chain)
+struct MmPhase {                                 // one phase: a launch's arguments (fused_gpu.op_mm_chain)
     const MmSeg* segs;
     const u16* x16;
     const u16* xs;
