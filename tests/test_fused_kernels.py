@@ -471,7 +471,7 @@ def test_mm_chain_runs_products_and_preps_as_their_launches(dev, spread, monkeyp
     try:
         for rep in range(2):
             if name == "emu":
-                d.skew_blocks(rep == 1)          # the second run: the first blocks run ahead of the others
+                d.skew_blocks(rep == 1)          # the second run: blocks at three speeds (emu.cpp emu_skew)
             got = run(chain)
             for i, (g, ref) in enumerate(zip(got, want)):
                 assert np.array_equal(g, ref), f"{name} run {rep}: output {i} differs from the launches in order"

@@ -164,8 +164,9 @@ void* emu_cluster_map(const void* local, unsigned rank) {
 static bool g_reverse_blocks = false;
 extern "C" void emu_block_order(int reverse) { g_reverse_blocks = reverse != 0; }
 // Blocks side by side (a cluster, or a co-resident grid) at different speeds (emu_skew(1)): block r of the
-// group runs in one scheduling round of every 1 + r % 3, so the first blocks run ahead of the others and a
-// missing wait for another block's writes reads what is not there yet.
+// group runs in one scheduling round of every 1 + r % 3 (blocks 0, 3, 6, ... every round, 2, 5, ... every
+// third), so some run ahead of the others and a missing wait for another block's writes reads what is not
+// there yet.
 static bool g_skew = false;
 extern "C" void emu_skew(int on) { g_skew = on != 0; }
 
