@@ -319,6 +319,7 @@ PREP_CLUSTER_KERNEL(8)
 // grid (2*nk + nv + 1, ceil(T / tpb)): q heads, k heads, v heads and one block for the gates, by
 // blocks of tpb tokens (one block of all T when write_state: the new state needs the old one,
 // which the first token block reads). Dynamic smem (2*tpb + 2*Kc - 1) * width floats.
+#include "gdn_conv.cuh"
 extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     const long long* __restrict__ qkv, int ldq, const unsigned long long* __restrict__ tbl, int slot,
     const float* __restrict__ conv_w, const long long* __restrict__ ab, const float* __restrict__ dt_bias,
@@ -336,11 +337,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
         for (int i = threadIdx.x; i < n * nv; i += blockDim.x) {
             const int t = t0 + i / nv, h = i % nv;
             const long long* pa = ab + (size_t)t * 2 * nv + h;
-            const float a = fixed_to_float(pa[0]) + dt_bias[h];
-            const float bl = fixed_to_float(pa[nv]);
-            const float sp = a > 20.0f ? a : log1pf(expf(fminf(a, 20.0f)));
-            rec[(size_t)t * R + C + h] = ssm_a[h] * sp;
-            rec[(size_t)t * R + C + nv + h] = 1.0f / (1.0f + expf(-bl));
+            gdn_gates<false>(pa, nv, dt_bias, ssm_a, h, rec + (size_t)t * R + C + h, rec + (size_t)t * R + C + nv + h);
         }
         __syncthreads();                 // every read of ab is done (ab_clear may be ab itself)
         for (int i = threadIdx.x; i < n * nv; i += blockDim.x) {
@@ -352,9 +349,7 @@ extern "C" __global__ void __launch_bounds__(FUSED_THREADS) gdn_conv(
     }
     int ch0, width;
     bool normed;
-    if (b < nk) { ch0 = b * dk; width = dk; normed = true; }
-    else if (b < 2 * nk) { ch0 = nk * dk + (b - nk) * dk; width = dk; normed = true; }
-    else { ch0 = 2 * nk * dk + (b - 2 * nk) * dv; width = dv; normed = false; }
+    gdn_conv_channels(b, nk, dk, dv, ch0, width, normed);
     float* state = (float*)tbl[slot];
     float* sx = sm + tpb * width;        // the block's inputs X[K1 + t] = qkv[t], as floats
     const int K1 = Kc - 1;

@@ -1538,6 +1538,7 @@ struct MmPhase {                                 // one phase: a launch's argume
 #define MM_CHAIN_HEADER 8192                     // after the ring: barriers, segments, verdicts, result row, scratch
 #define MM_CHAIN_MAX_STAGES 8
 #include "act_write.cuh"
+#include "gdn_conv.cuh"
 
 // A prep phase (kind MM_CHAIN_PREP: the RMSNorm that fused.cu prep_rows does for one row, folding the
 // residual's pending fixed-point sum) on the computing warps of blocks [0, gx), gx = the row's 256-column
@@ -1655,13 +1656,8 @@ __device__ __noinline__ void mm_chain_conv(const MmPhase* __restrict__ php, floa
     if (b == 2 * nk + nv) {                      // the gates
         if (tid == 0) mm_chain_wait(dep, spread, poll_ns);
         mm_sync<1>();
-        for (int h = tid; h < nv; h += MM_THREADS) {
-            const float a = fixed_to_float(ldcg_s64(ph.ab + h)) + ph.dt_bias[h];
-            const float bl = fixed_to_float(ldcg_s64(ph.ab + nv + h));
-            const float sp = a > 20.0f ? a : log1pf(expf(fminf(a, 20.0f)));
-            rec[C + h] = ph.ssm_a[h] * sp;
-            rec[C + nv + h] = 1.0f / (1.0f + expf(-bl));
-        }
+        for (int h = tid; h < nv; h += MM_THREADS)
+            gdn_gates<true>(ph.ab + h, nv, ph.dt_bias, ph.ssm_a, h, rec + C + h, rec + C + nv + h);
         mm_sync<1>();                            // every read of ab is done (ab_clear may be ab itself)
         for (int h = tid; h < nv; h += MM_THREADS) {
             ph.ab_clear[h] = 0;
@@ -1672,9 +1668,7 @@ __device__ __noinline__ void mm_chain_conv(const MmPhase* __restrict__ php, floa
     }
     int ch0, width;
     bool normed;
-    if (b < nk) { ch0 = b * dk; width = dk; normed = true; }
-    else if (b < 2 * nk) { ch0 = nk * dk + (b - nk) * dk; width = dk; normed = true; }
-    else { ch0 = 2 * nk * dk + (b - 2 * nk) * dv; width = dv; normed = false; }
+    gdn_conv_channels(b, nk, dk, dv, ch0, width, normed);
     float* state = (float*)ph.tbl[ph.slot];
     float* sm = scratch;                         // the outputs [width]
     float* sx = sm + width;                      // the newest inputs [width]

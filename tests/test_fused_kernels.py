@@ -405,6 +405,22 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
+def _chain_against_launches(fg, ops, outputs, what):
+    """Run `ops` as launches in order, then as one mm_chain, each from the outputs' state on entry: the
+    launches' outputs (host copies), after asserting the chain's are the same bits."""
+    xp = fg.xp
+    start = [_h(xp, a).copy() for a in outputs]
+    results = []
+    for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
+        for a, a0 in zip(outputs, start):
+            a[...] = xp.asarray(a0)
+        fn()
+        results.append([_h(xp, a).copy() for a in outputs])
+    for i, (g, ref) in enumerate(zip(results[1], results[0])):
+        assert np.array_equal(g, ref), f"{what}: output {i} of the chain differs from the launches in order"
+    return results[0], start
+
+
 @pytest.mark.parametrize("spread", [1, 3])
 def test_mm_chain_runs_products_and_preps_as_their_launches(dev, spread, monkeypatch):
     """mma_matmul.cu's mm_chain (an A/B candidate, not in the step by default): decode's one-row products
@@ -512,15 +528,8 @@ def test_mm_chain_prep_sums_in_prep_rows_order(dev):
                            acc_zero=zero) for i in range(n_rows)]
     ops.append(fg.op_mm("mm", [(wt, y, 0, 64)], acts[-1], 1, MODE_STORE, ws))
     outputs = outs + [a.x16 for a in acts] + [a.buf for a in acts] + [y, zero]
-    results = []
-    for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
-        for a in outputs:
-            a[...] = 1
-        fn()
-        results.append([_h(xp, a).copy() for a in outputs])
-    for i, (g, ref) in enumerate(zip(results[1], results[0])):
-        assert np.array_equal(g, ref), f"{name}: output {i} of the chained preps differs from prep_rows'"
-    assert not results[0][-1].any()
+    ref, _ = _chain_against_launches(fg, ops, outputs, f"{name} preps")
+    assert not ref[-1].any()
 
 
 @pytest.mark.parametrize("dv", [128, 96])
@@ -549,18 +558,9 @@ def test_mm_chain_gated_norm_equals_gdn_out_prep(dev, dv):
     ops = [fg.op_gdn_out_prep("gnorm", o, z, ldz, w, 1e-6, nv, dv, act, 1),
            fg.op_mm("mm", [(wt, y, 0, 64)], act, 1, MODE_STORE, ws)]
     assert ops[0].chain_phase, "a one-row gated norm is a chain phase"
-    outputs = [z, act.x16, act.buf, y]
-    start = [_h(xp, a).copy() for a in outputs]
-    results = []
-    for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
-        for a, a0 in zip(outputs, start):
-            a[...] = xp.asarray(a0)
-        fn()
-        results.append([_h(xp, a).copy() for a in outputs])
-    for i, (g, ref) in enumerate(zip(results[1], results[0])):
-        assert np.array_equal(g, ref), f"{name} dv={dv}: output {i} of the chained gated norm differs"
-    assert not results[0][0][0, :K].any() and results[0][0][0, K:].any()    # z read and cleared, the rest kept
-    assert np.abs(results[0][3]).max() > 0
+    ref, _ = _chain_against_launches(fg, ops, [z, act.x16, act.buf, y], f"{name} gated norm dv={dv}")
+    assert not ref[0][0, :K].any() and ref[0][0, K:].any()    # z read and cleared, the rest kept
+    assert np.abs(ref[3]).max() > 0
 
 
 @pytest.mark.parametrize("dk", [32, 128])
@@ -595,21 +595,12 @@ def test_mm_chain_recurrence_equals_gdn_recur(dev, dk):
         ops = [fg.op_gdn_recur("r", tbl, 1, 1, None, o, nk, nv, dk, dv),
                fg.op_mm("mm", [(wt, y, 0, 64)], act, 1, MODE_STORE, ws)]
         assert ops[0].chain_phase, "one token of one slot is a chain phase"
-        outputs = [S, bak, o, y]
-        results = []
-        for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
-            S[...] = xp.array(S_h)
-            for a in (bak, o, y):
-                a[...] = 0
-            fn()
-            results.append([_h(xp, a).copy() for a in outputs])
-        for i, (g, ref) in enumerate(zip(results[1], results[0])):
-            assert np.array_equal(g, ref), f"{name} dk={dk} {mode}: output {i} of the chained recurrence differs"
-        assert results[0][2].any()
+        ref, _ = _chain_against_launches(fg, ops, [S, bak, o, y], f"{name} recurrence dk={dk} {mode}")
+        assert ref[2].any()
         if mode == "advance":
-            assert not np.array_equal(results[0][0], S_h)
+            assert not np.array_equal(ref[0], S_h)
         else:
-            assert np.array_equal(results[0][0], S_h) and np.array_equal(results[0][1], S_h)
+            assert np.array_equal(ref[0], S_h) and np.array_equal(ref[1], S_h)
 
 
 @pytest.mark.parametrize("save", [False, True])
@@ -641,17 +632,8 @@ def test_mm_chain_conv_equals_gdn_conv(dev, save):
                           clear=(qkv_other, ab_other)),
            fg.op_mm("mm", [(wt, y, 0, 64)], act, 1, MODE_STORE, ws)]
     assert ops[0].chain_phase, "one token that advances the state is a chain phase"
-    outputs = [conv_state, saved, rec, qkv, ab, qkv_other, ab_other, y]
-    start = [_h(xp, a).copy() for a in outputs]
-    results = []
-    for fn in (lambda: [op() for op in ops], fg.op_mm_chain("chain", ops)):
-        for a, a0 in zip(outputs, start):
-            a[...] = xp.asarray(a0)
-        fn()
-        results.append([_h(xp, a).copy() for a in outputs])
-    for i, (g, ref) in enumerate(zip(results[1], results[0])):
-        assert np.array_equal(g, ref), f"{name} save={save}: output {i} of the chained conv differs"
-    ref = results[0]
+    ref, start = _chain_against_launches(fg, ops, [conv_state, saved, rec, qkv, ab, qkv_other, ab_other, y],
+                                         f"{name} conv save={save}")
     assert not np.array_equal(ref[0], start[0]) and ref[2].any() and not ref[5].any() and not ref[6].any()
     assert np.array_equal(ref[1], start[0]) if save else not ref[1].any()
 

@@ -215,6 +215,26 @@ static bool release_block(Block& blk, unsigned n_threads) {
     return released;
 }
 
+// Runs each runnable thread of a block until it yields; whether any ran.
+static bool run_fibers(Block& blk, unsigned n_threads) {
+    bool ran = false;
+    g_block = &blk;
+    blockIdx = blk.idx;
+    for (unsigned t = 0; t < n_threads; ++t) {
+        Fiber& f = blk.fibers[t];
+        if (f.wait != Wait::none) continue;
+        blk.current = t;
+        threadIdx = EmuDim{t, 0, 0};
+#ifdef EMU_FAST_SWITCH
+        emu_switch(&blk.sched_sp, f.sp);
+#else
+        swapcontext(&blk.sched, &f.ctx);
+#endif
+        ran = true;
+    }
+    return ran;
+}
+
 // Runs the blocks of one cluster (one block, without clusters) to completion.
 static void run_cluster(Cluster& cl, unsigned n_threads) {
     g_cluster = &cl;
@@ -230,39 +250,14 @@ static void run_cluster(Cluster& cl, unsigned n_threads) {
                 for (const auto& f : blk->fibers) any = any || f.wait != Wait::done;
                 if (!any) continue;
                 ran = true;
-                g_block = blk;
-                blockIdx = blk->idx;
-                for (unsigned t = 0; t < n_threads; ++t) {
-                    Fiber& f = blk->fibers[t];
-                    if (f.wait != Wait::none) continue;
-                    blk->current = t;
-                    threadIdx = EmuDim{t, 0, 0};
-#ifdef EMU_FAST_SWITCH
-                    emu_switch(&blk->sched_sp, f.sp);
-#else
-                    swapcontext(&blk->sched, &f.ctx);
-#endif
-                }
+                run_fibers(*blk, n_threads);
                 while (release_block(*blk, n_threads)) {
                 }
                 for (auto& f : blk->fibers)
                     if (f.wait == Wait::spin) f.wait = Wait::none;
                 continue;
             }
-            g_block = blk;
-            blockIdx = blk->idx;
-            for (unsigned t = 0; t < n_threads; ++t) {
-                Fiber& f = blk->fibers[t];
-                if (f.wait != Wait::none) continue;
-                blk->current = t;
-                threadIdx = EmuDim{t, 0, 0};
-#ifdef EMU_FAST_SWITCH
-                emu_switch(&blk->sched_sp, f.sp);
-#else
-                swapcontext(&blk->sched, &f.ctx);
-#endif
-                ran = true;
-            }
+            ran = run_fibers(*blk, n_threads) || ran;
         }
         if (ran) continue;
         if (g_skew) {                            // (deadlocks end at a waiter's spin bound)
