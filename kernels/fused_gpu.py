@@ -59,6 +59,10 @@ MM_CHAIN_MAX_KINDS = 12             # mma_matmul.cu MM_CHAIN_K0 .. K11
 # address queue at its L2 slice), and a waiter's pause between two looks at them (ns; 0: none).
 MM_CHAIN_SPREAD = 1
 MM_CHAIN_POLL_NS = 0
+# A failure hunt (tests/bench/chain_step_check_gpu.py --give-up): a chain's wait that runs out of patience
+# records what it waited for and gives up instead of trapping (mma_matmul.cu mm_chain_stuck; results wrong,
+# the device usable): FusedGpu.chain_stuck reads the record.
+MM_CHAIN_GIVE_UP = False
 GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r* (decode) / _w* (wider): d_k <= GDN_PARTS * RPT
@@ -562,7 +566,8 @@ class FusedGpu:
         if grid > MM_BLOCKS_PER_SM * self.n_sm:
             raise ValueError(f"{label}: {grid} blocks cannot all be resident")
         defines = ("MM_CHAIN=1", "MM_ONE_ROW=1") + tuple(
-            f"MM_CHAIN_K{i}={qt},{qt2},{mode}" for i, (qt, qt2, mode) in enumerate(kinds))
+            f"MM_CHAIN_K{i}={qt},{qt2},{mode}" for i, (qt, qt2, mode) in enumerate(kinds)) + (
+            ("MM_CHAIN_GIVE_UP=1",) if MM_CHAIN_GIVE_UP else ())
         kern = self._k("mma_matmul.cu", "mm_chain", defines)
         smem = MM_CHAIN_HEADER + n_stages * stage
         self._smem(kern, smem)
@@ -575,8 +580,33 @@ class FusedGpu:
         done = xp.zeros(32 * (spread * len(ops) + 1), dtype=xp.int32)     # (mma_matmul.cu mm_chain)
         args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages), np.int32(spread),
                 np.int32(MM_CHAIN_POLL_NS))
-        return Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
-                  tuple(keep) + (phases, done))
+        op = Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
+                tuple(keep) + (phases, done))
+        op.chain_defines = defines               # (chain_stuck: the module's record)
+        return op
+
+    def chain_stuck(self, op: Op) -> dict | None:
+        """An MM_CHAIN_GIVE_UP chain's record of its first wait that gave up (None: none did), cleared:
+        the block and thread that waited, the phase (the one whose count of finished blocks it waited for),
+        the counts it last saw against the grid. A CUDA device only (the record is a module global)."""
+        from kernels.cuda_backend import _MODULES
+        if "MM_CHAIN_GIVE_UP=1" not in getattr(op, "chain_defines", ()):
+            raise ValueError(f"{op.label}: not built with MM_CHAIN_GIVE_UP")
+        xp = self.xp
+        mod = _MODULES.get(xp, "mma_matmul.cu", op.chain_defines)
+        rec_dev = xp.ndarray((16,), dtype=xp.int32, memptr=mod.get_global("mm_chain_stuck"))
+        rec = [int(v) for v in rec_dev.get()]
+        if rec[0] == 0:
+            return None
+        rec_dev[...] = 0
+        done = op.args[2]
+        spread = rec[6]
+        dep = (rec[3] & 0xffffffff) | ((rec[4] & 0xffffffff) << 32)
+        off = (dep - self.ptr(done)) // 4
+        return {"gave_up": rec[0], "block": rec[1], "thread": rec[2], "grid": rec[5], "spread": spread,
+                "phase_waited_for": off // (32 * spread) if 0 <= off < done.size else None,
+                "counts": rec[7:7 + min(spread, 4)],
+                "expected": [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))]}
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,

@@ -739,6 +739,24 @@ __device__ __forceinline__ int ld_relaxed(const int* p) {
 }
 __device__ __forceinline__ void chain_nap(int ns) { if (ns) __nanosleep((unsigned)ns); }
 #endif
+// MM_CHAIN_GIVE_UP=1 (fused_gpu.MM_CHAIN_GIVE_UP; tests/bench/chain_step_check_gpu.py, a failure hunt): a wait
+// that runs out of patience records what it waited for in mm_chain_stuck and gives up instead of trapping,
+// and every later wait gives up at once, so the launch ends (its results wrong) with the device usable and
+// the host reads the record (fused_gpu.FusedGpu.chain_stuck): [0] waits given up, then the first one's
+// block, thread, dep's address (low, high word), grid, spread, and the counts it last saw (lines 0..3).
+#if defined(MM_CHAIN) && defined(MM_CHAIN_GIVE_UP) && !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+__device__ int mm_chain_stuck[16];
+__device__ __noinline__ void mm_chain_gave_up(const int* dep, int spread) {
+    if (atomicAdd(&mm_chain_stuck[0], 1) == 0) {
+        const unsigned long long a = (unsigned long long)dep;
+        int rec[7] = {(int)blockIdx.x, (int)threadIdx.x, (int)(a & 0xffffffffu), (int)(a >> 32), (int)gridDim.x,
+                      spread, 0};
+        for (int i = 0; i < 6; ++i) mm_chain_stuck[1 + i] = rec[i];
+        for (int j = 0; j < 4 && j < spread; ++j) mm_chain_stuck[7 + j] = ld_relaxed(dep + 32 * j);
+    }
+}
+#define MM_CHAIN_STUCK 1
+#endif
 __device__ __forceinline__ void mm_chain_wait(const int* dep, int spread, int poll_ns) {
     if (dep == nullptr) {
         grid_dependency_wait();
@@ -754,6 +772,12 @@ __device__ __forceinline__ void mm_chain_wait(const int* dep, int spread, int po
 #if defined(DFLASH_EMU)
         if (spins > 20000000LL) emu_fail("mm_chain: a phase's blocks never finished (deadlock)");
         emu_spin();
+#elif defined(MM_CHAIN_STUCK)
+        if (spins > (1LL << 25)) {
+            mm_chain_gave_up(dep, spread);
+            break;
+        }
+        if ((spins & 255) == 255 && ld_relaxed(&mm_chain_stuck[0]) != 0) break;     // another wait gave up
 #elif !defined(__HIP_PLATFORM_AMD__)
         if (spins > (1LL << 25)) __trap();       // (seconds: a launch error, not a device that hangs)
 #endif

@@ -112,10 +112,31 @@ def test_gpu_profile_script_runs_on_the_emulator(tmp_path):
     assert any(line.strip().startswith("matmul ffn_gate") for line in lines), r.stdout   # the wide path's ops
 
 
+def test_chain_step_check_script_runs_on_the_emulator(tmp_path):
+    """tests/bench/chain_step_check_gpu.py (the chained decode step against the launch-per-op step, op by
+    op and from graphs, with GreedyChain decoding; a failure hunt on the GPU machine) on the CPU emulator,
+    on a narrow 4-layer model: levels 1 and 3 report every step's logits and the greedy tokens the same."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from tests.emu import emu_unavailable_reason
+    if emu_unavailable_reason() is not None:
+        pytest.skip(f"emulator: {emu_unavailable_reason()}")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "tests" / "bench" / "chain_step_check_gpu.py"), "--device", "emu",
+                        "--narrow", "--layers", "4", "--levels", "1,3", "--steps", "2", "--greedy", "3",
+                        "--vocab", "600", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if "bit-identical" in ln]
+    assert len(lines) == 4 and all("logits of 3/3" in ln or "logits of 4/4" in ln for ln in lines), r.stdout
+    assert sum("greedy tokens the same" in ln for ln in lines) == 2, r.stdout
+
+
 def test_chain_bench_script_runs_on_the_emulator(tmp_path):
     """tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one persistent
-    mm_chain, timed on the GPU machine) on the CPU emulator: the embedded model's 33 products run in order
-    and as the chain, every buffer they touch bit-identical."""
+    mm_chain, timed on the GPU machine) on the CPU emulator: the embedded model's 33 products, then its FFN
+    products, run in order and as the chain with a phase's counts on one line and on three, every buffer
+    they touch bit-identical."""
     import subprocess
     import sys
     from pathlib import Path
@@ -124,10 +145,11 @@ def test_chain_bench_script_runs_on_the_emulator(tmp_path):
         pytest.skip(f"emulator: {emu_unavailable_reason()}")
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "tests" / "bench" / "bench_chain_gpu.py"), "--device", "emu",
-                        "--synthetic", "embedded", "--gguf", str(tmp_path / "e.gguf")],
+                        "--synthetic", "embedded", "--gguf", str(tmp_path / "e.gguf"), "--spread", "1", "3"],
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "products in order and as mm_chain" in r.stdout and "bit-identical" in r.stdout, r.stdout
+    assert r.stdout.count("products in order and as mm_chain") == 4, r.stdout
+    assert r.stdout.count("bit-identical") == 4 and "DIFFERENT" not in r.stdout, r.stdout
 
 
 def test_gdn_bench_script_runs_on_the_emulator():

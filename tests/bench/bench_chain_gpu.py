@@ -2,7 +2,7 @@
 alone, in order, as a captured graph of their own launches (programmatic dependent launch, as in the
 step) against the same products as one persistent launch (mma_matmul.cu mm_chain), in the same run.
 
-    python3 tests/bench/bench_chain_gpu.py [--synthetic qwen35-27b-q4km] [--reps 50] [--ffn-only]
+    python3 tests/bench/bench_chain_gpu.py [--synthetic qwen35-27b-q4km] [--reps 50] [--ffn-only] [--spread 1 8]
     python3 tests/bench/bench_chain_gpu.py --device emu --synthetic embedded     (a smoke test on the CPU)
 
 Both forms run every product on its own launch's grid and stripes (the same bits:
@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ffn-only", action="store_true")
+    ap.add_argument("--spread", type=int, nargs="+", default=None,
+                    help="chains with each of these fused_gpu.MM_CHAIN_SPREAD values (default: the module's)")
     args = ap.parse_args()
     model = _model(args.synthetic, args.gguf, args.device)
     b = model.backend
@@ -84,11 +86,15 @@ def main() -> None:
     for name, ops in sets:
         print(f"== {name}: {len(ops)} products of the {len(step_ops)} launches of a decode step; kinds "
               f"{sorted({op.mm_kind[:3] for op in ops})}")
-        chain = fg.op_mm_chain("chain", ops)
-        if args.device == "emu":
-            _emu_check(ops, chain)
-            continue
-        _compare(b, cp, ops, chain, args.reps, args.rounds)
+        from kernels import fused_gpu
+        for spread in args.spread or [fused_gpu.MM_CHAIN_SPREAD]:
+            fused_gpu.MM_CHAIN_SPREAD = spread   # a phase's counts of finished blocks on this many lines
+            chain = fg.op_mm_chain("chain", ops)
+            if args.device == "emu":
+                _emu_check(ops, chain)
+                continue
+            print(f"-- MM_CHAIN_SPREAD = {spread}")
+            _compare(b, cp, ops, chain, args.reps, args.rounds)
 
 
 def _compare(b, cp, prods, chain, reps: int, rounds: int) -> None:

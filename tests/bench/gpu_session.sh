@@ -6,9 +6,11 @@
 # thirty-fifth sessions), ~2-4 minutes; needs only the gguf wheel.
 # trace: the stages of verify W=23's gate|up and ffn_down launches (tests/bench/stage_trace_gpu.py
 # --width 23 and gate|up's copies alone; GPU_NOTES, thirty-sixth session), ~3-4 minutes.
-# chain: the persistent-chain candidates (mma_matmul.cu mm_chain; GPU_NOTES, thirty-ninth session): their GPU
-# tests, then tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one chain),
-# ~3 minutes. The step with chains: ab_bench.sh def:CHAIN_STEP=1 def:CHAIN_STEP=2.
+# chain: the persistent-chain candidates (mma_matmul.cu mm_chain; GPU_NOTES, thirty-ninth and fortieth sessions):
+# the chained step's failure in captured graphs (chain_step_check_gpu.py on an 8-layer model of the 27B's widths:
+# level 3 without programmatic dependent launch, then levels 1 and 3 with MM_CHAIN_GIVE_UP, which names the wait
+# that never ended), then tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one chain,
+# a phase's counts on one line and on eight), ~5 minutes. chain-tests: the chain's GPU tests (~1.5 minutes).
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -44,9 +46,16 @@ if [ "$what" = trace ]; then
     timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/stage_trace_gpu.py --width 23 --reps 4 \
         --variant MM_NO_COMPUTE=1,MM_NO_EXCHANGE=1 2>&1 | tee "$OUT/trace_w23_copies.log"
 fi
-if [ "$what" = chain ]; then
+if [ "$what" = chain-tests ]; then
     timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q --timeout 300 -p no:cacheprovider \
         tests/test_fused_kernels.py tests/test_gpu_step.py -k "chain and cuda" "$@" 2>&1 | tee "$OUT/tests_chain.log" | tail -20
-    timeout "${PROBE_TIMEOUT:-240}" python3 tests/bench/bench_chain_gpu.py --gguf /tmp/qwen35-27b-q4km.gguf 2>&1 \
-        | tee "$OUT/bench_chain.log"
+fi
+if [ "$what" = chain ]; then
+    quiet=(grep -v -e "^Traceback" -e "^  File" -e "Exception ignored" -e moduleUnload -e check_status -e "^$")
+    timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 3 --modes graphs --no-pdl 2>&1 \
+        | tee "$OUT/chain_check_nopdl.log" | "${quiet[@]}" | head -20
+    timeout 200 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 1,3 --modes graphs --give-up 2>&1 \
+        | tee "$OUT/chain_check_giveup.log" | "${quiet[@]}" | head -40
+    timeout "${PROBE_TIMEOUT:-300}" python3 tests/bench/bench_chain_gpu.py --gguf /tmp/qwen35-27b-q4km.gguf \
+        --spread 1 8 2>&1 | tee "$OUT/bench_chain.log"
 fi

@@ -1,0 +1,139 @@
+"""The chained decode step (qwen35_gpu.CHAIN_STEP) on a model of the 27B's widths with few layers: for each
+level, decode steps run op by op with a sync after each launch (no programmatic dependent launch; a failing
+launch is named), then from captured graphs (programmatic dependent launch unless --no-pdl), followed by
+GreedyChain decoding as the serving loop runs it; logits and tokens compared bit for bit with the
+launch-per-op step's.
+
+    python3 tests/bench/chain_step_check_gpu.py [--layers 8] [--levels 1,2,3] [--modes eager,graphs]
+        [--no-pdl] [--give-up]
+    python3 tests/bench/chain_step_check_gpu.py --device emu --narrow --layers 4   (a smoke test on the CPU)
+
+Why (GPU_NOTES, fortieth session): on an H100 the chained step at level 3 ran bit-identical as plain launches
+and failed (CUDA_ERROR_LAUNCH_FAILED: the chain wait's trap) from captured graphs with programmatic dependent
+launch; --no-pdl asks whether the failure needs it, --give-up (fused_gpu.MM_CHAIN_GIVE_UP) prints which
+chain, phase and block waited for a count that never came, and what the count was.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--narrow", action="store_true", help="n_embd 256 instead of the 27B's widths (a smoke test)")
+    ap.add_argument("--levels", default="1,2,3")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--dir", default=None, help="where the model file goes (default: the temp directory)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--greedy", type=int, default=32, help="tokens of GreedyChain decoding after the steps")
+    ap.add_argument("--modes", default="eager,graphs", help="eager (a sync after each launch), graphs, or both")
+    ap.add_argument("--no-pdl", action="store_true", help="graphs without programmatic dependent launch")
+    ap.add_argument("--no-ref", action="store_true", help="skip the launch-per-op reference (a failure hunt)")
+    ap.add_argument("--give-up", action="store_true",
+                    help="chains built with MM_CHAIN_GIVE_UP: a wait that runs out of patience is reported, not a trap")
+    ap.add_argument("--device", default="cuda", help="cuda, or emu (the CPU emulator: slow, few layers)")
+    args = ap.parse_args()
+    from dataclasses import replace
+    from daemons import qwen35_gpu
+    from daemons.bench import write_synthetic_gguf
+    from daemons.qwen35 import Qwen35Model
+    from daemons.synthetic import PRESETS
+    from kernels import fused_gpu
+    fused_gpu.MM_CHAIN_GIVE_UP = args.give_up
+    from kernels.cuda_backend import CudaBackend  # noqa: F401  (imports without a GPU)
+    shape = replace(PRESETS["qwen35-27b"], n_layer=args.layers)
+    if args.narrow:                             # every matrix whole 256-column superblocks (Q4_K / Q6_K)
+        shape = replace(shape, n_embd=256, n_ff=512, n_head=2, n_head_kv=1, head_dim=128, n_k_heads=2, n_v_heads=4,
+                        ssm_head_dim=64, n_rot=32)
+    path = os.path.join(args.dir or tempfile.gettempdir(),
+                        f"chain_check_{args.layers}{'_narrow' if args.narrow else ''}_{args.vocab}.gguf")
+    if not os.path.exists(path):
+        write_synthetic_gguf(path, shape, mix="q4_k_m", n_vocab=args.vocab, seed=5)
+    if args.device == "emu":
+        from tests.emu import EmuBackend
+        backend = EmuBackend()
+    else:
+        backend = CudaBackend()
+        if args.no_pdl:
+            backend.pdl = False
+    state_len = 7 + args.steps + args.greedy + 8
+    prompt = list(np.random.default_rng(1).integers(0, args.vocab, 7))
+
+    def decode(level: int, graphs: bool):
+        qwen35_gpu.CHAIN_STEP = level
+        dev = Qwen35Model.load(path, backend)
+        step = dev.gpu_step
+        step.graphs = graphs and step.graphs
+        if not graphs:                          # a sync after each launch: a failure names its launch
+            def launch(key, build):
+                ops, _ = step._runner(key, build)
+                for op in ops:
+                    t0 = time.perf_counter()
+                    try:
+                        op()
+                        backend.synchronize()
+                    except Exception as e:      # noqa: BLE001
+                        print(f"level {level}: launch {op.label!r} (grid {getattr(op, 'grid', '?')}) failed after "
+                              f"{time.perf_counter() - t0:.2f} s: {e}", flush=True)
+                        raise SystemExit(1)
+            step._launch = launch
+        ops = step.ops_for(1)
+        print(f"level {level} graphs={graphs}: {len(ops)} launches a decode step, "
+              f"{sum('chain of' in o.label for o in ops)} chains", flush=True)
+        def stuck(when: str) -> None:          # --give-up: the chains' records of waits that gave up
+            if not args.give_up:
+                return
+            backend.synchronize()
+            for ops_, _ in list(step._plans.values()):
+                for op in ops_:
+                    if "chain of" in op.label:
+                        rec = backend.fused.chain_stuck(op)
+                        if rec is not None:
+                            print(f"level {level} graphs={graphs} {when}: {op.label!r} (grid {op.grid}, "
+                                  f"{int(op.args[1])} phases) gave up: {rec}", flush=True)
+
+        state = dev.new_state(state_len)
+        rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
+        stuck("prompt")
+        for i in range(args.steps):
+            rows.append(np.asarray(backend.to_host(dev.forward([int(np.argmax(rows[-1]))], state))))
+            stuck(f"step {i}")
+        backend.synchronize()
+        if graphs:                              # and as the serving loop decodes (GreedyChain: one step ahead)
+            toks = [int(np.argmax(rows[-1]))]
+            with step.greedy_chain(state) as chain:
+                for i in range(args.greedy):
+                    toks.append(chain.next(toks[-1], ahead=i + 1 < args.greedy))
+                    stuck(f"greedy {i}")
+            rows.append(np.asarray(toks, dtype=np.float32))
+        return rows
+
+    ref = None if args.no_ref else decode(0, True)
+    for level in [int(v) for v in args.levels.split(",")]:
+        for graphs in [m == "graphs" for m in args.modes.split(",")]:
+            t0 = time.perf_counter()
+            try:
+                got = decode(level, graphs)
+            except Exception as e:              # noqa: BLE001
+                print(f"level {level} graphs={graphs}: failed after {time.perf_counter() - t0:.2f} s: {e}", flush=True)
+                raise SystemExit(1)
+            if ref is None:
+                print(f"level {level} graphs={graphs}: ran", flush=True)
+                continue
+            same = [np.array_equal(a, b) for a, b in zip(got, ref)]
+            print(f"level {level} graphs={graphs}: logits of {sum(same)}/{len(same)} steps bit-identical"
+                  + (f", greedy tokens {'the same' if np.array_equal(got[-1], ref[-1]) else 'DIFFERENT'}" if graphs else ""),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
