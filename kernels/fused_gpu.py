@@ -585,20 +585,24 @@ class FusedGpu:
         op.chain_defines = defines               # (chain_stuck: the module's record)
         return op
 
-    def chain_stuck(self, op: Op) -> dict | None:
-        """An MM_CHAIN_GIVE_UP chain's record of its first wait that gave up (None: none did), cleared:
-        the block and thread that waited, the phase (the one whose count of finished blocks it waited for),
-        the counts it last saw against the grid. A CUDA device only (the record is a module global)."""
+    def chain_stuck(self, op: Op, stream: Any = None) -> dict | None:
+        """An MM_CHAIN_GIVE_UP chain's record of its first wait that gave up (None: none did): the block and
+        thread that waited, the phase (the one whose count of finished blocks it waited for), the counts it
+        last saw against the grid; cleared after reading unless `stream` is given (a side stream on which to
+        read it while the device still runs a launch that never ends). A CUDA device only (a module global)."""
         from kernels.cuda_backend import _MODULES
         if "MM_CHAIN_GIVE_UP=1" not in getattr(op, "chain_defines", ()):
             raise ValueError(f"{op.label}: not built with MM_CHAIN_GIVE_UP")
         xp = self.xp
         mod = _MODULES.get(xp, "mma_matmul.cu", op.chain_defines)
         rec_dev = xp.ndarray((16,), dtype=xp.int32, memptr=mod.get_global("mm_chain_stuck"))
-        rec = [int(v) for v in rec_dev.get()]
+        rec = [int(v) for v in rec_dev.get(stream=stream)]
+        if stream is not None:
+            stream.synchronize()
         if rec[0] == 0:
             return None
-        rec_dev[...] = 0
+        if stream is None:
+            rec_dev[...] = 0
         done = op.args[2]
         spread = rec[6]
         dep = (rec[3] & 0xffffffff) | ((rec[4] & 0xffffffff) << 32)

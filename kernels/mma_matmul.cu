@@ -745,7 +745,9 @@ __device__ __forceinline__ void chain_nap(int ns) { if (ns) __nanosleep((unsigne
 // the host reads the record (fused_gpu.FusedGpu.chain_stuck): [0] waits given up, then the first one's
 // block, thread, dep's address (low, high word), grid, spread, and the counts it last saw (lines 0..3).
 #if defined(MM_CHAIN) && defined(MM_CHAIN_GIVE_UP) && !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
-__device__ int mm_chain_stuck[16];
+extern "C" {
+__device__ int mm_chain_stuck[16];               // (C linkage: the host finds it by this name)
+}
 __device__ __noinline__ void mm_chain_gave_up(const int* dep, int spread) {
     if (atomicAdd(&mm_chain_stuck[0], 1) == 0) {
         const unsigned long long a = (unsigned long long)dep;
@@ -1673,8 +1675,8 @@ __device__ __noinline__ void mm_chain_conv(const MmPhase* __restrict__ php, floa
                                            const int* dep, int spread, int poll_ns) {
     const MmPhase& ph = *php;
     const int tid = threadIdx.x, b = (int)blockIdx.x;
-    const int nk = ph.nk, nv = ph.nv, dk = ph.dk, dv = ph.dv, Kc = ph.d, ldq = ph.ld;
-    const int C = 2 * nk * dk + nv * dv, R = C + 2 * nv, K1 = Kc - 1;
+    const int nk = ph.nk, nv = ph.nv, dk = ph.dk, dv = ph.dv, Kc = ph.d;
+    const int C = 2 * nk * dk + nv * dv, K1 = Kc - 1;
     const long long* qkv = ph.acc;
     float* rec = ph.out;
     if (b == 2 * nk + nv) {                      // the gates

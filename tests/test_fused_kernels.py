@@ -498,6 +498,53 @@ def test_mm_chain_runs_products_and_preps_as_their_launches(dev, spread, monkeyp
             d.skew_blocks(False)
     # the preps folded and cleared the sums (each cleared, then added into by the ffn_down after it)
     assert not np.array_equal(want[0], start[0]) and not np.array_equal(want[2], start[2])
+
+
+def test_mm_chain_give_up_records_the_wait_that_never_ended(dev, monkeypatch):
+    """fused_gpu.MM_CHAIN_GIVE_UP (a failure hunt: tests/bench/chain_step_check_gpu.py --give-up, GPU_NOTES
+    fortieth session): a chain whose first phase's count can never reach the grid (set far below zero before
+    the launch) ends instead of trapping, and FusedGpu.chain_stuck names the phase waited for (0), a block of
+    the second product's grid, and the count it saw; the record is cleared by reading it, and the device runs
+    the next chain (counts cleared by the last block) to the launches' bits. GPU only (on the emulator a wait
+    that never ends is an error of its own: emu.cpp emu_fail); each wait gives up after seconds."""
+    from kernels import fused_gpu
+    name, d, fg = dev
+    if name == "emu":
+        pytest.skip("the give-up record is a CUDA module global; the emulator fails a wait that never ends")
+    monkeypatch.setattr(fused_gpu, "MM_CHAIN_GIVE_UP", True)
+    xp = fg.xp
+    rng = np.random.default_rng(61)
+    n_in, n_ff = 1280, 1024
+    g, u = (fg.repack(c, QT_Q4_K, n_ff, n_in, _scaled_raw(QT_Q4_K, n_ff, n_in, rng)) for c in "gu")
+    dw = fg.repack("d", QT_Q6_K, n_in, n_ff, _scaled_raw(QT_Q6_K, n_in, n_ff, rng))
+    need = [fg.workspace_need(w, m) for w, m in (([g, u], MODE_SWIGLU), ([dw], MODE_ADD))]
+    ws = MmWorkspace(xp, max(n for n, _ in need), max(c for _, c in need))
+    act, _ = _act(fg, rng.standard_normal((1, n_in)).astype(np.float32), n_in)
+    ff = ActBuffer(xp, n_ff)
+    acc = xp.zeros((1, n_in), dtype=xp.int64)
+    ops = [fg.op_mm("gu", [(g, None, 0, 0), (u, None, 0, 0)], act, 1, MODE_SWIGLU, ws, out_act=ff),
+           fg.op_mm("down", [(dw, acc, 0, n_in)], ff, 1, MODE_ADD, ws)]
+    for op in ops:
+        op()
+    want = _h(xp, acc).copy()
+    chain = fg.op_mm_chain("chain", ops)
+    done = chain.args[2]
+    done[0] = -(1 << 30)                         # phase 0's count: never the grid's
+    acc[...] = 0
+    chain()
+    d.synchronize()
+    rec = fg.chain_stuck(chain)
+    assert rec is not None, "no wait gave up"
+    assert rec["phase_waited_for"] == 0 and rec["spread"] == 1 and rec["grid"] == chain.grid[0]
+    assert 0 <= rec["block"] < ops[1].grid[0] and rec["thread"] == 128    # the second product's issuer, lane 0
+    assert rec["counts"][0] < 0 and rec["expected"] == [chain.grid[0]]
+    assert fg.chain_stuck(chain) is None, "the record was not cleared"
+    assert not _h(xp, done).any(), "the last block left counts set"
+    acc[...] = 0
+    ws.counters[...] = 0                         # (the run that gave up overlapped its products: results wrong)
+    chain()
+    assert np.array_equal(_h(xp, acc), want), "the chain after a give-up differs from the launches"
+    assert fg.chain_stuck(chain) is None
     assert np.abs(want[-1]).max() > 0
 
 

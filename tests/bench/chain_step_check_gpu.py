@@ -26,6 +26,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+class _Watched:
+    """A GreedyChain event whose synchronize waits through the watchdog."""
+
+    def __init__(self, event, watch):
+        self.event, self.watch = event, watch
+
+    def record(self, stream=None) -> None:
+        self.event.record(stream)
+
+    def synchronize(self) -> None:
+        self.watch(self.event)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -40,6 +53,8 @@ def main() -> None:
     ap.add_argument("--no-ref", action="store_true", help="skip the launch-per-op reference (a failure hunt)")
     ap.add_argument("--give-up", action="store_true",
                     help="chains built with MM_CHAIN_GIVE_UP: a wait that runs out of patience is reported, not a trap")
+    ap.add_argument("--watchdog", type=float, default=30.0,
+                    help="seconds a step may keep the device busy before the records are read and the run ends")
     ap.add_argument("--device", default="cuda", help="cuda, or emu (the CPU emulator: slow, few layers)")
     args = ap.parse_args()
     from dataclasses import replace
@@ -89,17 +104,39 @@ def main() -> None:
         ops = step.ops_for(1)
         print(f"level {level} graphs={graphs}: {len(ops)} launches a decode step, "
               f"{sum('chain of' in o.label for o in ops)} chains", flush=True)
-        def stuck(when: str) -> None:          # --give-up: the chains' records of waits that gave up
+
+        def stuck(when: str, side=None) -> None:     # --give-up: the chains' records of waits that gave up
             if not args.give_up:
                 return
-            backend.synchronize()
+            if side is None:
+                backend.synchronize()
             for ops_, _ in list(step._plans.values()):
                 for op in ops_:
                     if "chain of" in op.label:
-                        rec = backend.fused.chain_stuck(op)
+                        rec = backend.fused.chain_stuck(op, stream=side)
                         if rec is not None:
                             print(f"level {level} graphs={graphs} {when}: {op.label!r} (grid {op.grid}, "
                                   f"{int(op.args[1])} phases) gave up: {rec}", flush=True)
+
+        def watch(event) -> None:              # a launch that never ends: report, then leave the process
+            t0 = time.perf_counter()
+            while not event.done:
+                if time.perf_counter() - t0 > args.watchdog:
+                    print(f"level {level} graphs={graphs}: the device is still busy after {args.watchdog} s "
+                          f"(a wait that gave up does not end it: a block waits elsewhere)", flush=True)
+                    stuck("watchdog", side=backend.xp.cuda.Stream(non_blocking=True))
+                    os._exit(3)
+                time.sleep(0.005)
+
+        if args.device != "emu":               # every read of a step's result waits through `watch`
+            to_host = step._to_host
+
+            def watched_to_host(a):
+                ev = backend.xp.cuda.Event(disable_timing=True)
+                ev.record()
+                watch(ev)
+                return to_host(a)
+            step._to_host = watched_to_host
 
         state = dev.new_state(state_len)
         rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
@@ -111,6 +148,8 @@ def main() -> None:
         if graphs:                              # and as the serving loop decodes (GreedyChain: one step ahead)
             toks = [int(np.argmax(rows[-1]))]
             with step.greedy_chain(state) as chain:
+                if args.device != "emu":
+                    chain._events = [_Watched(e, watch) for e in chain._events]
                 for i in range(args.greedy):
                     toks.append(chain.next(toks[-1], ahead=i + 1 < args.greedy))
                     stuck(f"greedy {i}")
