@@ -362,6 +362,18 @@ class FusedGpu:
             if kern.max_dynamic_shared_size_bytes < nbytes:
                 kern.max_dynamic_shared_size_bytes = nbytes
 
+    @staticmethod
+    def prefer_max_shared(kern) -> None:
+        """Ask for the largest shared-memory carveout whenever `kern`'s blocks configure a multiprocessor
+        (CUDA's preferred carveout, a hint: 100 = the most shared memory, the least L1). A multiprocessor
+        changes its L1 / shared split only while idle; mm_chain needs four blocks on every multiprocessor
+        at once (the whole 228 KB configuration), so a chain block placed beside a neighbour's blocks on a
+        multiprocessor configured smaller (as programmatic dependent launch allows) would keep it below
+        four for the whole launch and the chain would wait forever for the blocks that cannot start.
+        qwen35_gpu's chained step sets this on every kernel of its one-row plan."""
+        if hasattr(kern, "preferred_shared_memory_carveout"):
+            kern.preferred_shared_memory_carveout = 100
+
     # -- weights --------------------------------------------------------------------------------
     def repack_tensor(self, tensor: Any) -> TcWeight | None:
         """A GGUF matrix in the tensor-core layout, or None when it has none (its type, a row that is
@@ -571,6 +583,7 @@ class FusedGpu:
         kern = self._k("mma_matmul.cu", "mm_chain", defines)
         smem = MM_CHAIN_HEADER + n_stages * stage
         self._smem(kern, smem)
+        self.prefer_max_shared(kern)
         per_sm = getattr(self.dev, "resident_blocks", lambda *a: None)(kern, MM_THREADS + 32, smem)
         if per_sm is not None and grid > per_sm * self.n_sm:     # its blocks wait for each other: a hang
             raise ValueError(f"{label}: {grid} blocks of mm_chain, {per_sm} resident a multiprocessor "

@@ -154,7 +154,9 @@ def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch,
     (3: the DeltaNet layers whole), as persistent mm_chain launches. Decoding 8
     tokens gives the logits and states of the launch-per-op step bit for bit (on the GPU: from captured
     graphs with programmatic dependent launch, each chain between two dependent launches), and a verify
-    block keeps its launches."""
+    block keeps its launches. Every kernel of the chained plan prefers the largest shared-memory carveout
+    (fused_gpu.FusedGpu.prefer_max_shared; a multiprocessor left smaller is the suspected cause of the chained
+    27B step's hang from graphs, fortieth session)."""
     from daemons import qwen35_gpu
     from daemons.qwen35 import Qwen35Model
     from kernels.fused_gpu import MM_CHAIN_PREP
@@ -180,6 +182,11 @@ def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch,
             for kind in ("gdn_conv", "gdn_recur", "gdn_out_prep"):
                 assert sum(o.label.endswith(kind) for o in ops) == (3 if on == 2 else 0)
         assert not any("chain of" in o.label for o in dev.gpu_step.ops_for(3, "verify", "all"))
+        if on:
+            # every kernel of the chained plan asks for the largest shared-memory carveout (a multiprocessor
+            # left smaller beside a chain block would hold fewer than the four blocks a chain needs)
+            kerns = [o.kernel for o in ops if getattr(o, "kernel", None) is not None]
+            assert kerns and all(k.preferred_shared_memory_carveout == 100 for k in kerns)
         state = dev.new_state(64)
         rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
         for _ in range(8):

@@ -7,10 +7,11 @@
 # trace: the stages of verify W=23's gate|up and ffn_down launches (tests/bench/stage_trace_gpu.py
 # --width 23 and gate|up's copies alone; GPU_NOTES, thirty-sixth session), ~3-4 minutes.
 # chain: the persistent-chain candidates (mma_matmul.cu mm_chain; GPU_NOTES, thirty-ninth and fortieth sessions):
-# the chained step's failure in captured graphs (chain_step_check_gpu.py on an 8-layer model of the 27B's widths:
-# level 3 without programmatic dependent launch, then levels 1 and 3 with MM_CHAIN_GIVE_UP, which names the wait
-# that never ended), then tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one chain,
-# a phase's counts on one line and on eight), ~5 minutes. chain-tests: the chain's GPU tests (~1.5 minutes).
+# the chained step from captured graphs (chain_step_check_gpu.py on an 8-layer model of the 27B's widths, with
+# MM_CHAIN_GIVE_UP, which names a wait that never ends): levels 1 and 3 as the step now runs them, level 3 without
+# the carveout preference (the suspected cause of the fortieth session's hang) with and without programmatic
+# dependent launch; then tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one chain,
+# a phase's counts on one line and on eight), ~6 minutes. chain-tests: the chain's GPU tests (~1.5 minutes).
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -52,10 +53,14 @@ if [ "$what" = chain-tests ]; then
 fi
 if [ "$what" = chain ]; then
     quiet=(grep -v -e "^Traceback" -e "^  File" -e "Exception ignored" -e moduleUnload -e check_status -e "^$")
-    timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 3 --modes graphs --no-pdl 2>&1 \
-        | tee "$OUT/chain_check_nopdl.log" | "${quiet[@]}" | head -20
+    # the chained step from graphs with the carveout preference (expected to pass), then without it (the suspected
+    # cause: expected to give up, short of the grid by the blocks that could not start), then without PDL
     timeout 200 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 1,3 --modes graphs --give-up 2>&1 \
-        | tee "$OUT/chain_check_giveup.log" | "${quiet[@]}" | head -40
+        | tee "$OUT/chain_check.log" | "${quiet[@]}" | head -30
+    timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 3 --modes graphs --give-up \
+        --no-carveout 2>&1 | tee "$OUT/chain_check_nocarveout.log" | "${quiet[@]}" | head -30
+    timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 3 --modes graphs --give-up --no-pdl \
+        --no-carveout 2>&1 | tee "$OUT/chain_check_nopdl.log" | "${quiet[@]}" | head -20
     timeout "${PROBE_TIMEOUT:-300}" python3 tests/bench/bench_chain_gpu.py --gguf /tmp/qwen35-27b-q4km.gguf \
         --spread 1 8 2>&1 | tee "$OUT/bench_chain.log"
 fi

@@ -116,6 +116,9 @@ class _EmuKernel:
         self.lib, self.symbol, self.address = lib, symbol, address
         self.cluster = cluster_shape(symbol)
         self._fn_cache: dict[tuple, Any] = {}
+        # CUDA's function attribute (cupy's Function property), kept for the host code that sets it
+        # (fused_gpu.FusedGpu.prefer_max_shared); the emulator has no L1 / shared-memory split
+        self.preferred_shared_memory_carveout = -1
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid))
