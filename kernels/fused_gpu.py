@@ -599,10 +599,11 @@ class FusedGpu:
         return op
 
     def chain_stuck(self, op: Op, stream: Any = None) -> dict | None:
-        """An MM_CHAIN_GIVE_UP chain's record of its first wait that gave up (None: none did): the block and
-        thread that waited, the phase (the one whose count of finished blocks it waited for), the counts it
-        last saw against the grid; cleared after reading unless `stream` is given (a side stream on which to
-        read it while the device still runs a launch that never ends). A CUDA device only (a module global)."""
+        """An MM_CHAIN_GIVE_UP chain's record of the first wait that gave up (None: none did, or it was another
+        chain's: the record is one for every chain of the same build): the block and thread that waited, the
+        phase (the one whose count of finished blocks it waited for), the counts it last saw against the grid;
+        cleared after reading unless `stream` is given (a side stream on which to read it while the device
+        still runs a launch that never ends). A CUDA device only (a module global)."""
         from kernels.cuda_backend import _MODULES
         if "MM_CHAIN_GIVE_UP=1" not in getattr(op, "chain_defines", ()):
             raise ValueError(f"{op.label}: not built with MM_CHAIN_GIVE_UP")
@@ -612,16 +613,16 @@ class FusedGpu:
         rec = [int(v) for v in rec_dev.get(stream=stream)]
         if stream is not None:
             stream.synchronize()
-        if rec[0] == 0:
+        done = op.args[2]
+        dep = (rec[3] & 0xffffffff) | ((rec[4] & 0xffffffff) << 32)
+        off = (dep - self.ptr(done)) // 4
+        if rec[0] == 0 or not 0 <= off < done.size:
             return None
         if stream is None:
             rec_dev[...] = 0
-        done = op.args[2]
         spread = rec[6]
-        dep = (rec[3] & 0xffffffff) | ((rec[4] & 0xffffffff) << 32)
-        off = (dep - self.ptr(done)) // 4
         return {"gave_up": rec[0], "block": rec[1], "thread": rec[2], "grid": rec[5], "spread": spread,
-                "phase_waited_for": off // (32 * spread) if 0 <= off < done.size else None,
+                "phase_waited_for": off // (32 * spread),
                 "counts": rec[7:7 + min(spread, 4)],
                 "expected": [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))]}
 

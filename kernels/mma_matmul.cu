@@ -751,8 +751,8 @@ __device__ int mm_chain_stuck[16];               // (C linkage: the host finds i
 __device__ __noinline__ void mm_chain_gave_up(const int* dep, int spread) {
     if (atomicAdd(&mm_chain_stuck[0], 1) == 0) {
         const unsigned long long a = (unsigned long long)dep;
-        int rec[7] = {(int)blockIdx.x, (int)threadIdx.x, (int)(a & 0xffffffffu), (int)(a >> 32), (int)gridDim.x,
-                      spread, 0};
+        const int rec[6] = {(int)blockIdx.x, (int)threadIdx.x, (int)(a & 0xffffffffu), (int)(a >> 32),
+                            (int)gridDim.x, spread};
         for (int i = 0; i < 6; ++i) mm_chain_stuck[1 + i] = rec[i];
         for (int j = 0; j < 4 && j < spread; ++j) mm_chain_stuck[7 + j] = ld_relaxed(dep + 32 * j);
     }
