@@ -91,19 +91,24 @@ def test_bench_refuses_27b_on_cpu_and_bad_widths():
     assert r.exit_code == 2 and "exactly one of --model or --synthetic" in r.output
 
 
-def test_gpu_profile_script_runs_on_the_emulator(tmp_path):
-    """tests/bench/profile_gpu_step.py (the README's per-kernel figures) end to end on the CPU
-    emulator: a step width's launches by kind, and a prefill past wide_batch_min by operation."""
+def _run_on_emulator(script: str, *args: str, timeout: float = 600):
+    """tests/bench/<script> run with `args` in a fresh interpreter (its --device emu runs on the CPU
+    emulator); skipped where the emulator cannot build."""
     import subprocess
     import sys
-    from pathlib import Path
     from tests.emu import emu_unavailable_reason
     if emu_unavailable_reason() is not None:
         pytest.skip(f"emulator: {emu_unavailable_reason()}")
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / "tests" / "bench" / "profile_gpu_step.py"), "--device", "emu",
-                        "--synthetic", "embedded", "--path", str(tmp_path / "e.gguf"), "--widths", "2",
-                        "--prefill", "64"], capture_output=True, text=True, timeout=600, cwd=root)
+    return subprocess.run([sys.executable, str(root / "tests" / "bench" / script), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=root)
+
+
+def test_gpu_profile_script_runs_on_the_emulator(tmp_path):
+    """tests/bench/profile_gpu_step.py (the README's per-kernel figures) end to end on the CPU
+    emulator: a step width's launches by kind, and a prefill past wide_batch_min by operation."""
+    r = _run_on_emulator("profile_gpu_step.py", "--device", "emu", "--synthetic", "embedded", "--path",
+                         str(tmp_path / "e.gguf"), "--widths", "2", "--prefill", "64")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert any(line.startswith("== step T=2 (verify)") for line in lines), r.stdout
@@ -116,16 +121,8 @@ def test_chain_step_check_script_runs_on_the_emulator(tmp_path):
     """tests/bench/chain_step_check_gpu.py (the chained decode step against the launch-per-op step, op by
     op and from graphs, with GreedyChain decoding; a failure hunt on the GPU machine) on the CPU emulator,
     on a narrow 4-layer model: levels 1 and 3 report every step's logits and the greedy tokens the same."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    from tests.emu import emu_unavailable_reason
-    if emu_unavailable_reason() is not None:
-        pytest.skip(f"emulator: {emu_unavailable_reason()}")
-    root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / "tests" / "bench" / "chain_step_check_gpu.py"), "--device", "emu",
-                        "--narrow", "--layers", "4", "--levels", "1,3", "--steps", "2", "--greedy", "3",
-                        "--vocab", "600", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    r = _run_on_emulator("chain_step_check_gpu.py", "--device", "emu", "--narrow", "--layers", "4", "--levels", "1,3",
+                         "--steps", "2", "--greedy", "3", "--vocab", "600", "--dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if "bit-identical" in ln]
     assert len(lines) == 4 and all("logits of 3/3" in ln or "logits of 4/4" in ln for ln in lines), r.stdout
@@ -137,16 +134,8 @@ def test_chain_bench_script_runs_on_the_emulator(tmp_path):
     mm_chain, timed on the GPU machine) on the CPU emulator: the embedded model's 33 products, then its FFN
     products, run in order and as the chain with a phase's counts on one line and on three, every buffer
     they touch bit-identical."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    from tests.emu import emu_unavailable_reason
-    if emu_unavailable_reason() is not None:
-        pytest.skip(f"emulator: {emu_unavailable_reason()}")
-    root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / "tests" / "bench" / "bench_chain_gpu.py"), "--device", "emu",
-                        "--synthetic", "embedded", "--gguf", str(tmp_path / "e.gguf"), "--spread", "1", "3"],
-                       capture_output=True, text=True, timeout=600, cwd=root)
+    r = _run_on_emulator("bench_chain_gpu.py", "--device", "emu", "--synthetic", "embedded", "--gguf",
+                         str(tmp_path / "e.gguf"), "--spread", "1", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("products in order and as mm_chain") == 4, r.stdout
     assert r.stdout.count("bit-identical") == 4 and "DIFFERENT" not in r.stdout, r.stdout
@@ -155,18 +144,10 @@ def test_chain_bench_script_runs_on_the_emulator(tmp_path):
 def test_gdn_bench_script_runs_on_the_emulator():
     """tests/bench/bench_gdn_gpu.py (gdn_conv / gdn_recur timings, run on the GPU machine) parses its
     arguments and runs every form once on the CPU emulator at the 27B shape."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    from tests.emu import emu_unavailable_reason
-    if emu_unavailable_reason() is not None:
-        pytest.skip(f"emulator: {emu_unavailable_reason()}")
-    root = Path(__file__).resolve().parent.parent
-    script = str(root / "tests" / "bench" / "bench_gdn_gpu.py")
-    r = subprocess.run([sys.executable, script, "--modes", "bogus"], capture_output=True, text=True, cwd=root)
+    r = _run_on_emulator("bench_gdn_gpu.py", "--modes", "bogus")
     assert r.returncode == 2 and "--modes" in r.stderr
-    r = subprocess.run([sys.executable, script, "--device", "emu", "--widths", "1,2", "--n", "1", "--modes",
-                        "verify,advance,commit"], capture_output=True, text=True, timeout=600, cwd=root)
+    r = _run_on_emulator("bench_gdn_gpu.py", "--device", "emu", "--widths", "1,2", "--n", "1", "--modes",
+                         "verify,advance,commit")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     for kernel, mode in (("gdn_conv", "verify"), ("gdn_conv", "advance"), ("gdn_recur", "verify"),
