@@ -63,6 +63,10 @@ MM_CHAIN_POLL_NS = 0
 # records what it waited for and gives up instead of trapping (mma_matmul.cu mm_chain_stuck; results wrong,
 # the device usable): FusedGpu.chain_stuck reads the record.
 MM_CHAIN_GIVE_UP = False
+# A/B knob (ab_bench.sh def:MM_CHAIN_PDL=False): a chain launched with programmatic dependent launch (its blocks
+# placed while the launch before it drains) or plainly (on drained multiprocessors, which then take the shared-
+# memory configuration the chain asks for: the other way out of the hang prefer_max_shared answers).
+MM_CHAIN_PDL = True
 GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r* (decode) / _w* (wider): d_k <= GDN_PARTS * RPT
@@ -594,7 +598,7 @@ class FusedGpu:
         args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages), np.int32(spread),
                 np.int32(MM_CHAIN_POLL_NS))
         op = Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
-                tuple(keep) + (phases, done))
+                tuple(keep) + (phases, done), pdl=bool(MM_CHAIN_PDL))
         op.chain_defines = defines               # (chain_stuck: the module's record)
         return op
 
