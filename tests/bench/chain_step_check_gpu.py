@@ -30,6 +30,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+class _GaveUp(Exception):
+    """A chain's wait gave up in the step named (--give-up): the level's run stops there."""
+
+
 class _Watched:
     """A GreedyChain event whose synchronize waits through the watchdog."""
 
@@ -121,6 +125,7 @@ def main() -> None:
                 return
             if side is None:
                 backend.synchronize()
+            gave_up = False
             for ops_, _ in list(step._plans.values()):
                 for op in ops_:
                     if "chain of" in op.label:
@@ -128,6 +133,9 @@ def main() -> None:
                         if rec is not None:
                             print(f"level {level} graphs={graphs} {when}: {op.label!r} (grid {op.grid}, "
                                   f"{int(op.args[1])} phases) gave up: {rec}", flush=True)
+                            gave_up = True
+            if side is None and gave_up:        # (each later step would wait seconds again)
+                raise _GaveUp(when)
 
         def watch(event) -> None:              # a launch that never ends: report, then leave the process
             t0 = time.perf_counter()
@@ -173,6 +181,9 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 got = decode(level, graphs)
+            except _GaveUp as e:
+                print(f"level {level} graphs={graphs}: stopped at {e} (a wait gave up: its results are wrong)", flush=True)
+                continue
             except Exception as e:              # noqa: BLE001
                 print(f"level {level} graphs={graphs}: failed after {time.perf_counter() - t0:.2f} s: {e}", flush=True)
                 raise SystemExit(1)
