@@ -67,6 +67,9 @@ MM_CHAIN_GIVE_UP = False
 # placed while the launch before it drains) or plainly (on drained multiprocessors, which then take the shared-
 # memory configuration the chain asks for: the other way out of the hang prefer_max_shared answers).
 MM_CHAIN_PDL = True
+# A/B knob (ab_bench.sh def:MM_CHAIN_FLAG=True; bench_chain_gpu.py --spread flag): a phase's waiters look at a flag
+# that its last arrival raises, not at the count (mma_matmul.cu MM_CHAIN_FLAG; the counts then on one line).
+MM_CHAIN_FLAG = False
 GDN_COLS = 32
 GDN_PARTS = 8                       # fused.cu GDN_PARTS: lanes per value column
 GDN_RPT = (1, 4, 8, 16, 32)         # gdn_recur_r* (decode) / _w* (wider): d_k <= GDN_PARTS * RPT
@@ -583,7 +586,7 @@ class FusedGpu:
             raise ValueError(f"{label}: {grid} blocks cannot all be resident")
         defines = ("MM_CHAIN=1", "MM_ONE_ROW=1") + tuple(
             f"MM_CHAIN_K{i}={qt},{qt2},{mode}" for i, (qt, qt2, mode) in enumerate(kinds)) + (
-            ("MM_CHAIN_GIVE_UP=1",) if MM_CHAIN_GIVE_UP else ())
+            ("MM_CHAIN_GIVE_UP=1",) if MM_CHAIN_GIVE_UP else ()) + (("MM_CHAIN_FLAG=1",) if MM_CHAIN_FLAG else ())
         kern = self._k("mma_matmul.cu", "mm_chain", defines)
         smem = MM_CHAIN_HEADER + n_stages * stage
         self._smem(kern, smem)
@@ -593,8 +596,9 @@ class FusedGpu:
             raise ValueError(f"{label}: {grid} blocks of mm_chain, {per_sm} resident a multiprocessor "
                              f"({smem} bytes of shared memory each)")
         phases = xp.asarray(table.view(np.uint8))
-        spread = max(1, min(int(MM_CHAIN_SPREAD), grid))
-        done = xp.zeros(32 * (spread * len(ops) + 1), dtype=xp.int32)     # (mma_matmul.cu mm_chain)
+        spread = 1 if MM_CHAIN_FLAG else max(1, min(int(MM_CHAIN_SPREAD), grid))
+        # the phases' counts, the end count, then (MM_CHAIN_FLAG) the phases' flags (mma_matmul.cu mm_chain)
+        done = xp.zeros(32 * (spread * len(ops) + 1 + (len(ops) if MM_CHAIN_FLAG else 0)), dtype=xp.int32)
         args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages), np.int32(spread),
                 np.int32(MM_CHAIN_POLL_NS))
         op = Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
@@ -625,8 +629,10 @@ class FusedGpu:
         if stream is None:
             rec_dev[...] = 0
         spread = rec[6]
+        n_phases = int(op.args[1])
+        flag = "MM_CHAIN_FLAG=1" in op.chain_defines       # dep: a flag (counts: the flag's value), after the counts
         return {"gave_up": rec[0], "block": rec[1], "thread": rec[2], "grid": rec[5], "spread": spread,
-                "phase_waited_for": off // (32 * spread),
+                "phase_waited_for": off // 32 - n_phases - 1 if flag else off // (32 * spread),
                 "counts": rec[7:7 + min(spread, 4)],
                 "expected": [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))]}
 

@@ -739,6 +739,13 @@ __device__ __forceinline__ int ld_relaxed(const int* p) {
 }
 __device__ __forceinline__ void chain_nap(int ns) { if (ns) __nanosleep((unsigned)ns); }
 #endif
+// MM_CHAIN_FLAG=1 (fused_gpu.MM_CHAIN_FLAG, an A/B candidate): a phase's waiters look at one flag that the
+// block whose arrival completes the count raises (a release add after its acquire-release count), not at the
+// count itself, so the looks of hundreds of issuers do not queue with the arrivals at the count's line (the
+// boundary persist_probe.py modelled, thirty-fourth to thirty-eighth sessions). The counts on one line.
+#ifndef MM_CHAIN_FLAG
+#define MM_CHAIN_FLAG 0
+#endif
 // MM_CHAIN_GIVE_UP=1 (fused_gpu.MM_CHAIN_GIVE_UP; tests/bench/chain_step_check_gpu.py, a failure hunt): a wait
 // that runs out of patience records what it waited for in mm_chain_stuck and gives up instead of trapping,
 // and every later wait gives up at once, so the launch ends (its results wrong) with the device usable and
@@ -766,10 +773,15 @@ __device__ __forceinline__ void mm_chain_wait(const int* dep, int spread, int po
     }
     const int G = (int)gridDim.x;
     for (long long spins = 0;; ++spins) {
+#if defined(MM_CHAIN) && MM_CHAIN_FLAG
+        (void)G;
+        if (ld_relaxed(dep) != 0) break;         // dep: the phase's flag, raised by its last arrival
+#else
         int short_of = 0;
         for (int j = 0; j < spread; ++j)         // counter j: the blocks b = j (mod spread)
             short_of += ld_relaxed(dep + 32 * j) < (G - 1 - j) / spread + 1;
         if (short_of == 0) break;
+#endif
         chain_nap(poll_ns);
 #if defined(DFLASH_EMU)
         if (spins > 20000000LL) emu_fail("mm_chain: a phase's blocks never finished (deadlock)");
@@ -1842,6 +1854,7 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
     MmChainBlock ch{full, empty, segs_i, segs_c, sres, last, stage, n_stages, nullptr, spread, poll_ns,
                     0, 0, 0, 0u, false};
     const int n_counts = 32 * spread * n_phases;
+    int* flags = done + n_counts + 32;           // MM_CHAIN_FLAG: phase p's flag at flags[32 p]
     const bool issuer = (tid >> 5) == MM_ISSUER(1);
     // Programmatic dependent launch: the issuer waits for the launch before the chain after requesting the
     // first product's weights (mm_chain_wait); the computing warps, which have nothing to do before their
@@ -1849,7 +1862,7 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
     if (!issuer) grid_dependency_wait();
     for (int p = 0; p < n_phases; ++p) {
         const MmPhase ph = phases[p];
-        ch.dep = p > 0 ? done + 32 * spread * (p - 1) : nullptr;
+        ch.dep = p == 0 ? nullptr : MM_CHAIN_FLAG ? flags + 32 * (p - 1) : done + 32 * spread * (p - 1);
         ch.trigger = p == n_phases - 1;          // the next launch starts beside the last product's end
         if (ph.kind >= MM_CHAIN_CONV) {           // a small phase: its blocks' computing warps; the issuer goes on
             if (!issuer && (int)blockIdx.x < ph.gx) {
@@ -1918,10 +1931,15 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
             mm_sync<1>();
             if (tid == 0) {
                 if (p < n_phases - 1) {
+#if MM_CHAIN_FLAG
+                    // the arrival that completes the count (acquiring every other) raises the flag (releasing them)
+                    if (atomic_add_acq_rel(&done[32 * p], 1) == (int)gridDim.x - 1) atomic_add_release(&flags[32 * p], 1);
+#else
                     atomic_add_release(&done[32 * (spread * p + (int)blockIdx.x % spread)], 1);
+#endif
                 } else if (atomic_add_acq_rel(&done[n_counts], 1) == (int)gridDim.x - 1) {
                     // the last block past the last phase: every issuer has passed every wait
-                    for (int q = 0; q <= n_counts; q += 32) done[q] = 0;
+                    for (int q = 0; q <= n_counts + (MM_CHAIN_FLAG ? 32 * n_phases : 0); q += 32) done[q] = 0;
                 }
             }
         }

@@ -132,13 +132,13 @@ def test_chain_step_check_script_runs_on_the_emulator(tmp_path):
 def test_chain_bench_script_runs_on_the_emulator(tmp_path):
     """tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one persistent
     mm_chain, timed on the GPU machine) on the CPU emulator: the embedded model's 33 products, then its FFN
-    products, run in order and as the chain with a phase's counts on one line and on three, every buffer
-    they touch bit-identical."""
+    products, run in order and as the chain with a phase's counts on one line, on three, and with the flag
+    the last arrival raises, every buffer they touch bit-identical."""
     r = _run_on_emulator("bench_chain_gpu.py", "--device", "emu", "--synthetic", "embedded", "--gguf",
-                         str(tmp_path / "e.gguf"), "--spread", "1", "3")
+                         str(tmp_path / "e.gguf"), "--spread", "1", "3", "flag")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("products in order and as mm_chain") == 4, r.stdout
-    assert r.stdout.count("bit-identical") == 4 and "DIFFERENT" not in r.stdout, r.stdout
+    assert r.stdout.count("products in order and as mm_chain") == 6, r.stdout
+    assert r.stdout.count("bit-identical") == 6 and "DIFFERENT" not in r.stdout, r.stdout
 
 
 def test_gdn_bench_script_runs_on_the_emulator():

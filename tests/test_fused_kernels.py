@@ -421,7 +421,7 @@ def _chain_against_launches(fg, ops, outputs, what):
     return results[0], start
 
 
-@pytest.mark.parametrize("spread", [1, 3])
+@pytest.mark.parametrize("spread", [1, 3, "flag"])
 def test_mm_chain_runs_products_and_preps_as_their_launches(dev, spread, monkeypatch):
     """mma_matmul.cu's mm_chain (an A/B candidate, not in the step by default): decode's one-row products
     and RMSNorm preps as phases of one persistent launch, every block walking each product's stripe in turn
@@ -435,9 +435,11 @@ def test_mm_chain_runs_products_and_preps_as_their_launches(dev, spread, monkeyp
     sum) -> prep (folds it) -> gate|up -> ffn_down (ADD Q4_K) -> a two-type STORE reading the second
     gate|up's rows; grids of 4 to 8 blocks with cut row blocks. Every output bit-identical to the launches
     in order, twice; with the counts of finished blocks on one line or spread over three
-    (fused_gpu.MM_CHAIN_SPREAD)."""
+    (fused_gpu.MM_CHAIN_SPREAD), or with the waiters looking at a flag the last arrival raises
+    (fused_gpu.MM_CHAIN_FLAG); counts and flags cleared after each run."""
     from kernels import fused_gpu
-    monkeypatch.setattr(fused_gpu, "MM_CHAIN_SPREAD", spread)
+    monkeypatch.setattr(fused_gpu, "MM_CHAIN_SPREAD", 1 if spread == "flag" else spread)
+    monkeypatch.setattr(fused_gpu, "MM_CHAIN_FLAG", spread == "flag")
     name, d, fg = dev
     xp = fg.xp
     if name == "emu":

@@ -2,7 +2,7 @@
 alone, in order, as a captured graph of their own launches (programmatic dependent launch, as in the
 step) against the same products as one persistent launch (mma_matmul.cu mm_chain), in the same run.
 
-    python3 tests/bench/bench_chain_gpu.py [--synthetic qwen35-27b-q4km] [--reps 50] [--ffn-only] [--spread 1 8]
+    python3 tests/bench/bench_chain_gpu.py [--synthetic qwen35-27b-q4km] [--reps 50] [--ffn-only] [--spread 1 8 flag]
     python3 tests/bench/bench_chain_gpu.py --device emu --synthetic embedded     (a smoke test on the CPU)
 
 Both forms run every product on its own launch's grid and stripes (the same bits:
@@ -71,8 +71,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ffn-only", action="store_true")
-    ap.add_argument("--spread", type=int, nargs="+", default=None,
-                    help="chains with each of these fused_gpu.MM_CHAIN_SPREAD values (default: the module's)")
+    ap.add_argument("--spread", nargs="+", default=None,
+                    help="chains with each of these fused_gpu.MM_CHAIN_SPREAD values, or 'flag' (fused_gpu.MM_CHAIN_FLAG: "
+                         "the waiters look at a flag the last arrival raises); default: the module's")
     args = ap.parse_args()
     model = _model(args.synthetic, args.gguf, args.device)
     b = model.backend
@@ -87,13 +88,14 @@ def main() -> None:
         print(f"== {name}: {len(ops)} products of the {len(step_ops)} launches of a decode step; kinds "
               f"{sorted({op.mm_kind[:3] for op in ops})}")
         from kernels import fused_gpu
-        for spread in args.spread or [fused_gpu.MM_CHAIN_SPREAD]:
-            fused_gpu.MM_CHAIN_SPREAD = spread   # a phase's counts of finished blocks on this many lines
+        for spread in args.spread or [str(fused_gpu.MM_CHAIN_SPREAD)]:
+            fused_gpu.MM_CHAIN_FLAG = spread == "flag"
+            fused_gpu.MM_CHAIN_SPREAD = 1 if spread == "flag" else int(spread)   # a phase's counts on this many lines
             chain = fg.op_mm_chain("chain", ops)
             if args.device == "emu":
                 _emu_check(ops, chain)
                 continue
-            print(f"-- MM_CHAIN_SPREAD = {spread}")
+            print(f"-- {'MM_CHAIN_FLAG' if spread == 'flag' else f'MM_CHAIN_SPREAD = {spread}'}")
             _compare(b, cp, ops, chain, args.reps, args.rounds)
 
 

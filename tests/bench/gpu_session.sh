@@ -10,8 +10,10 @@
 # the chained step from captured graphs (chain_step_check_gpu.py on an 8-layer model of the 27B's widths, with
 # MM_CHAIN_GIVE_UP, which names a wait that never ends): levels 1 and 3 as the step now runs them, level 3 without
 # the carveout preference (the suspected cause of the fortieth session's hang) with the chains launched with and
-# without programmatic dependent launch (the other launches with it); then tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one chain,
-# a phase's counts on one line and on eight), ~6 minutes. chain-tests: the chain's GPU tests (~1.5 minutes).
+# without programmatic dependent launch (the other launches with it); then tests/bench/bench_chain_gpu.py (the
+# decode step's products as launches and as one chain, a phase's counts on one line, on eight, and waiters on a
+# flag the last arrival raises), ~6 minutes.
+# chain-tests: the chain's GPU tests (~1.5 minutes).
 set -u
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -63,5 +65,5 @@ if [ "$what" = chain ]; then
     timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 3 --modes graphs --give-up \
         --chain-no-pdl --no-carveout 2>&1 | tee "$OUT/chain_check_chain_nopdl.log" | "${quiet[@]}" | head -20
     timeout "${PROBE_TIMEOUT:-300}" python3 tests/bench/bench_chain_gpu.py --gguf /tmp/qwen35-27b-q4km.gguf \
-        --spread 1 8 2>&1 | tee "$OUT/bench_chain.log"
+        --spread 1 8 flag 2>&1 | tee "$OUT/bench_chain.log"
 fi
