@@ -120,9 +120,10 @@ def test_gpu_profile_script_runs_on_the_emulator(tmp_path):
 def test_chain_step_check_script_runs_on_the_emulator(tmp_path):
     """tests/bench/chain_step_check_gpu.py (the chained decode step against the launch-per-op step, op by
     op and from graphs, with GreedyChain decoding; a failure hunt on the GPU machine) on the CPU emulator,
-    on a narrow 4-layer model: levels 1 and 3 report every step's logits and the greedy tokens the same."""
+    on a narrow 4-layer model, its chains' waiters on flags (fused_gpu.MM_CHAIN_FLAG; the default boundary is
+    test_gpu_step.py's): levels 1 and 3 report every step's logits and the greedy tokens the same."""
     r = _run_on_emulator("chain_step_check_gpu.py", "--device", "emu", "--narrow", "--layers", "4", "--levels", "1,3",
-                         "--steps", "2", "--greedy", "3", "--vocab", "600", "--dir", str(tmp_path))
+                         "--steps", "2", "--greedy", "3", "--vocab", "600", "--dir", str(tmp_path), "--flag")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if "bit-identical" in ln]
     assert len(lines) == 4 and all("logits of 3/3" in ln or "logits of 4/4" in ln for ln in lines), r.stdout

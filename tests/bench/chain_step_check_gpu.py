@@ -5,7 +5,7 @@ GreedyChain decoding as the serving loop runs it; logits and tokens compared bit
 launch-per-op step's.
 
     python3 tests/bench/chain_step_check_gpu.py [--layers 8] [--levels 1,2,3] [--modes eager,graphs]
-        [--no-pdl] [--chain-no-pdl] [--give-up] [--no-carveout]
+        [--no-pdl] [--chain-no-pdl] [--give-up] [--no-carveout] [--flag]
     python3 tests/bench/chain_step_check_gpu.py --device emu --narrow --layers 4   (a smoke test on the CPU)
 
 Why (GPU_NOTES, fortieth session): on an H100 the chained step at level 3 ran bit-identical as plain launches
@@ -63,6 +63,7 @@ def main() -> None:
                     help="chains built with MM_CHAIN_GIVE_UP: a wait that runs out of patience is reported, not a trap")
     ap.add_argument("--no-carveout", action="store_true",
                     help="leave the kernels' shared-memory carveout preference alone (FusedGpu.prefer_max_shared)")
+    ap.add_argument("--flag", action="store_true", help="chains whose waiters look at a flag (fused_gpu.MM_CHAIN_FLAG)")
     ap.add_argument("--chain-no-pdl", action="store_true",
                     help="chains launched plainly (fused_gpu.MM_CHAIN_PDL = False), the other launches with PDL")
     ap.add_argument("--watchdog", type=float, default=30.0,
@@ -77,6 +78,7 @@ def main() -> None:
     from kernels import fused_gpu
     fused_gpu.MM_CHAIN_GIVE_UP = args.give_up
     fused_gpu.MM_CHAIN_PDL = not args.chain_no_pdl
+    fused_gpu.MM_CHAIN_FLAG = args.flag
     if args.no_carveout:                        # the suspected cause of the hang, kept (GPU_NOTES, fortieth session)
         fused_gpu.FusedGpu.prefer_max_shared = staticmethod(lambda kern: None)
     from kernels.cuda_backend import CudaBackend  # noqa: F401  (imports without a GPU)
