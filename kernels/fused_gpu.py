@@ -634,7 +634,7 @@ class FusedGpu:
         return {"gave_up": rec[0], "block": rec[1], "thread": rec[2], "grid": rec[5], "spread": spread,
                 "phase_waited_for": off // 32 - n_phases - 1 if flag else off // (32 * spread),
                 "counts": rec[7:7 + min(spread, 4)],
-                "expected": [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))]}
+                "expected": [1] if flag else [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))]}
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,
