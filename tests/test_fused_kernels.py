@@ -405,6 +405,17 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
+def _chain_device(dev, emu_sms: int):
+    """The dev fixture for an mm_chain test: (name, device, FusedGpu, xp); on the emulator a FusedGpu that
+    counts `emu_sms` multiprocessors, so a chain's grid (four blocks each at most) is small enough for the
+    emulator to run its blocks side by side."""
+    name, d, fg = dev
+    if name == "emu":
+        fg = FusedGpu(d)
+        fg.n_sm = emu_sms
+    return name, d, fg, fg.xp
+
+
 def _chain_against_launches(fg, ops, outputs, what):
     """Run `ops` as launches in order, then as one mm_chain, each from the outputs' state on entry: the
     launches' outputs (host copies), after asserting the chain's are the same bits."""
@@ -440,11 +451,7 @@ def test_mm_chain_runs_products_and_preps_as_their_launches(dev, spread, monkeyp
     from kernels import fused_gpu
     monkeypatch.setattr(fused_gpu, "MM_CHAIN_SPREAD", 1 if spread == "flag" else spread)
     monkeypatch.setattr(fused_gpu, "MM_CHAIN_FLAG", spread == "flag")
-    name, d, fg = dev
-    xp = fg.xp
-    if name == "emu":
-        fg = FusedGpu(d)
-        fg.n_sm = 2                              # grids of <= 8 blocks: the emulator runs them side by side
+    name, d, fg, xp = _chain_device(dev, 2)  # grids of <= 8 blocks: the emulator runs them side by side
     rng = np.random.default_rng(59)
     n_in, n_ff = 1280, 1024
     def w(label, qt, n_out, k):
@@ -556,11 +563,7 @@ def test_mm_chain_prep_sums_in_prep_rows_order(dev):
     changes the rounded scale of a row now and then, so 12 rows of 20 chunks with a wide dynamic range, each
     a prep phase of one chain, must all give prep_rows' act16 rows, block sums and folded x bit for bit
     (a chain whose prep added the chunks last to first differed in about a third of such rows)."""
-    name, d, fg = dev
-    xp = fg.xp
-    if name == "emu":
-        fg = FusedGpu(d)
-        fg.n_sm = 5                              # the prep's 20 blocks (a chunk each) side by side
+    name, d, fg, xp = _chain_device(dev, 5)  # the prep's 20 blocks (a chunk each) side by side
     rng = np.random.default_rng(61)
     K, n_rows = 5120, 12
     wt = fg.repack("w", QT_Q4_K, 64, K, _scaled_raw(QT_Q4_K, 64, K, rng))
@@ -587,11 +590,7 @@ def test_mm_chain_gated_norm_equals_gdn_out_prep(dev, dv):
     gives gdn_out_prep's bits: each head's sum of squares in its order, y = norm * w * silu(z), z's fixed-point
     sums cleared, the act16 row and block sums; heads of 128 columns (two a 256-column block) and of 96
     (heads across blocks, the last block short). Then a product reads the rows in the same chain."""
-    name, d, fg = dev
-    xp = fg.xp
-    if name == "emu":
-        fg = FusedGpu(d)
-        fg.n_sm = 2
+    name, d, fg, xp = _chain_device(dev, 2)
     rng = np.random.default_rng(67)
     nv = 6
     K = nv * dv
@@ -618,11 +617,7 @@ def test_mm_chain_recurrence_equals_gdn_recur(dev, dk):
     block where the launch has 32) gives gdn_recur's bits: the output row and the state written in place
     (advance), or the state left and its backup written (a verify table); d_k 32 and 128 (dn_token<4> and
     <16>, the 27B's). A product follows it in the chain."""
-    name, d, fg = dev
-    xp = fg.xp
-    if name == "emu":
-        fg = FusedGpu(d)
-        fg.n_sm = 4
+    name, d, fg, xp = _chain_device(dev, 4)
     rng = np.random.default_rng(71)
     nk, nv, dv = 1, 2, dk                        # (16 blocks of 16 columns at d_v = 128)
     C = 2 * nk * dk + nv * dv
@@ -658,11 +653,7 @@ def test_mm_chain_conv_equals_gdn_conv(dev, save):
     the conv state by) gives gdn_conv's bits: the record row (q and k L2-normalised, v, the gates), the
     state shifted by the token, the other parity's sums cleared and the read ones kept; with state_save (a
     GreedyChain step's backup of the old state) too. A product follows it in the chain."""
-    name, d, fg = dev
-    xp = fg.xp
-    if name == "emu":
-        fg = FusedGpu(d)
-        fg.n_sm = 4
+    name, d, fg, xp = _chain_device(dev, 4)
     rng = np.random.default_rng(73)
     c = _dn_case(rng, 1, dk=128, dv=128, nk=1, nv=2)
     C, nk, nv, dk, dv, kc = c["C"], c["nk"], c["nv"], c["dk"], c["dv"], c["kc"]
