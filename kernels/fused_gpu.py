@@ -63,6 +63,7 @@ MM_CHAIN_POLL_NS = 0
 # records what it waited for and gives up instead of trapping (mma_matmul.cu mm_chain_stuck; results wrong,
 # the device usable): FusedGpu.chain_stuck reads the record.
 MM_CHAIN_GIVE_UP = False
+MM_CHAIN_SEEN_MAX = 1024            # mma_matmul.cu: the blocks a give-up record's progress copy holds
 # A/B knob (ab_bench.sh def:MM_CHAIN_PDL=False): a chain launched with programmatic dependent launch (its blocks
 # placed while the launch before it drains) or plainly (on drained multiprocessors, which then take the shared-
 # memory configuration the chain asks for: the other way out of the hang prefer_max_shared answers).
@@ -597,8 +598,12 @@ class FusedGpu:
                              f"({smem} bytes of shared memory each)")
         phases = xp.asarray(table.view(np.uint8))
         spread = 1 if MM_CHAIN_FLAG else max(1, min(int(MM_CHAIN_SPREAD), grid))
-        # the phases' counts, the end count, then (MM_CHAIN_FLAG) the phases' flags (mma_matmul.cu mm_chain)
-        done = xp.zeros(32 * (spread * len(ops) + 1 + (len(ops) if MM_CHAIN_FLAG else 0)), dtype=xp.int32)
+        # the phases' counts, the end count, then (MM_CHAIN_FLAG) the phases' flags, then (MM_CHAIN_GIVE_UP) a
+        # word of progress for each block (mma_matmul.cu mm_chain)
+        if MM_CHAIN_GIVE_UP and grid > MM_CHAIN_SEEN_MAX:
+            raise ValueError(f"{label}: a give-up build's record holds {MM_CHAIN_SEEN_MAX} blocks, not {grid}")
+        done = xp.zeros(32 * (spread * len(ops) + 1 + (len(ops) if MM_CHAIN_FLAG else 0))
+                        + (grid if MM_CHAIN_GIVE_UP else 0), dtype=xp.int32)
         args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages), np.int32(spread),
                 np.int32(MM_CHAIN_POLL_NS))
         op = Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
@@ -631,10 +636,28 @@ class FusedGpu:
         spread = rec[6]
         n_phases = int(op.args[1])
         flag = "MM_CHAIN_FLAG=1" in op.chain_defines       # dep: a flag (counts: the flag's value), after the counts
+        phase = off // 32 - n_phases - 1 if flag else off // (32 * spread)
+        # the blocks' progress when the wait gave up: (multiprocessor << 16) | 0x8000 (started) | phases past
+        seen_dev = xp.ndarray((MM_CHAIN_SEEN_MAX,), dtype=xp.int32, memptr=mod.get_global("mm_chain_seen"))
+        seen = [int(v) for v in seen_dev.get(stream=stream)[:rec[5]]]
+        if stream is not None:
+            stream.synchronize()
+        started = [v for v in seen if v & 0x8000]
+        per_sm: dict[int, int] = {}
+        for v in started:
+            per_sm[v >> 16] = per_sm.get(v >> 16, 0) + 1
         return {"gave_up": rec[0], "block": rec[1], "thread": rec[2], "grid": rec[5], "spread": spread,
-                "phase_waited_for": off // 32 - n_phases - 1 if flag else off // (32 * spread),
-                "counts": rec[7:7 + min(spread, 4)],
-                "expected": [1] if flag else [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))]}
+                "phase_waited_for": phase, "counts": rec[7:7 + min(spread, 4)],
+                "expected": [1] if flag else [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))],
+                # the blocks that had not started (not resident), those started but not past the phase waited
+                # for (block, multiprocessor, phases past), and the multiprocessors holding fewer chain blocks
+                # than the most any held ({multiprocessor: blocks})
+                "not_started": [b for b, v in enumerate(seen) if not v & 0x8000][:16],
+                "started_behind": [(b, v >> 16, v & 0x7fff) for b, v in enumerate(seen)
+                                   if v & 0x8000 and (v & 0x7fff) <= phase][:16],
+                "started": len(started), "sms": len(per_sm),
+                "sms_short": {sm: n for sm, n in sorted(per_sm.items()) if n < max(per_sm.values())}
+                if per_sm else {}}
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,

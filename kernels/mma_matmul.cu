@@ -751,9 +751,21 @@ __device__ __forceinline__ void chain_nap(int ns) { if (ns) __nanosleep((unsigne
 // and every later wait gives up at once, so the launch ends (its results wrong) with the device usable and
 // the host reads the record (fused_gpu.FusedGpu.chain_stuck): [0] waits given up, then the first one's
 // block, thread, dep's address (low, high word), grid, spread, and the counts it last saw (lines 0..3).
+// Each block also keeps its progress in the words after the chain's counts (mm_chain_progress: started,
+// its multiprocessor, the phases it has arrived past), which the first wait to give up copies into
+// mm_chain_seen, so the host sees whether the blocks a count lacks never started (not resident) or
+// started and stopped inside a phase, and how many chain blocks each multiprocessor held.
 #if defined(MM_CHAIN) && defined(MM_CHAIN_GIVE_UP) && !defined(DFLASH_EMU) && !defined(__HIP_PLATFORM_AMD__)
+#define MM_CHAIN_SEEN_MAX 1024                   // (fused_gpu: a give-up build's grid at most this)
 extern "C" {
-__device__ int mm_chain_stuck[16];               // (C linkage: the host finds it by this name)
+__device__ int mm_chain_stuck[16];               // (C linkage: the host finds them by these names)
+__device__ int mm_chain_seen[MM_CHAIN_SEEN_MAX];
+}
+__shared__ int* mm_chain_progress_of_block;      // this block's chain's progress words (set by mm_chain)
+__device__ __forceinline__ void mm_chain_progress(int phases_past) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    mm_chain_progress_of_block[blockIdx.x] = (int)(smid << 16) | 0x8000 | phases_past;
 }
 __device__ __noinline__ void mm_chain_gave_up(const int* dep, int spread) {
     if (atomicAdd(&mm_chain_stuck[0], 1) == 0) {
@@ -762,6 +774,8 @@ __device__ __noinline__ void mm_chain_gave_up(const int* dep, int spread) {
                             (int)gridDim.x, spread};
         for (int i = 0; i < 6; ++i) mm_chain_stuck[1 + i] = rec[i];
         for (int j = 0; j < 4 && j < spread; ++j) mm_chain_stuck[7 + j] = ld_relaxed(dep + 32 * j);
+        for (int b = 0; b < (int)gridDim.x && b < MM_CHAIN_SEEN_MAX; ++b)
+            mm_chain_seen[b] = ld_relaxed(mm_chain_progress_of_block + b);
     }
 }
 #define MM_CHAIN_STUCK 1
@@ -1855,6 +1869,14 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
                     0, 0, 0, 0u, false};
     const int n_counts = 32 * spread * n_phases;
     int* flags = done + n_counts + 32;           // MM_CHAIN_FLAG: phase p's flag at flags[32 p]
+#ifdef MM_CHAIN_STUCK
+    // the blocks' progress words after the counts, the end count and the flags (fused_gpu.op_mm_chain)
+    if (tid == 0) {
+        mm_chain_progress_of_block = flags + (MM_CHAIN_FLAG ? 32 * n_phases : 0);
+        mm_chain_progress(0);
+    }
+    __syncthreads();
+#endif
     const bool issuer = (tid >> 5) == MM_ISSUER(1);
     // Programmatic dependent launch: the issuer waits for the launch before the chain after requesting the
     // first product's weights (mm_chain_wait); the computing warps, which have nothing to do before their
@@ -1930,6 +1952,9 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
             fence_proxy_async_global();
             mm_sync<1>();
             if (tid == 0) {
+#ifdef MM_CHAIN_STUCK
+                mm_chain_progress(p + 1);
+#endif
                 if (p < n_phases - 1) {
 #if MM_CHAIN_FLAG
                     // the arrival that completes the count (acquiring every other) raises the flag (releasing them)
@@ -1940,6 +1965,9 @@ mm_chain(const MmPhase* __restrict__ phases, int n_phases, int* __restrict__ don
                 } else if (atomic_add_acq_rel(&done[n_counts], 1) == (int)gridDim.x - 1) {
                     // the last block past the last phase: every issuer has passed every wait
                     for (int q = 0; q <= n_counts + (MM_CHAIN_FLAG ? 32 * n_phases : 0); q += 32) done[q] = 0;
+#ifdef MM_CHAIN_STUCK
+                    for (int b = 0; b < (int)gridDim.x; ++b) mm_chain_progress_of_block[b] = 0;
+#endif
                 }
             }
         }

@@ -547,6 +547,9 @@ def test_mm_chain_give_up_records_the_wait_that_never_ended(dev, monkeypatch):
     assert rec["phase_waited_for"] == 0 and rec["spread"] == 1 and rec["grid"] == chain.grid[0]
     assert 0 <= rec["block"] < ops[1].grid[0] and rec["thread"] == 128    # the second product's issuer, lane 0
     assert rec["counts"][0] < 0 and rec["expected"] == [chain.grid[0]]
+    # every block started and arrived past phase 0 (its count alone was wrong), on as many multiprocessors
+    assert rec["started"] == chain.grid[0] and rec["not_started"] == [] and rec["started_behind"] == []
+    assert 1 <= rec["sms"] <= min(chain.grid[0], fg.n_sm)
     assert fg.chain_stuck(chain) is None, "the record was not cleared"
     assert not _h(xp, done).any(), "the last block left counts set"
     acc[...] = 0

@@ -67,9 +67,9 @@ fi
 log="$(mktemp)"
 for _ in $(seq "$rounds"); do
     for tree in "${trees[@]}"; do
-        echo "== $tree"
+        echo "== $tree"      # (a build's errors pass the filter too: a failed build reads as one)
         (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout 150 "${bench[@]}" 2>&1) \
-            | grep -E "^(prefill|decode|verify|rollback|graph|host) " | grep -v -e "tok/s (" -e "^verify  "
+            | grep -E "^(prefill|decode|verify|rollback|graph|host) |[A-Za-z]+Error" | grep -v -e "tok/s (" -e "^verify  "
     done
 done | tee "$log"
 echo
