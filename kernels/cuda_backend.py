@@ -361,7 +361,8 @@ class CudaBackend:
 
     def _launch_pdl(self, op, stream) -> None:
         fn = getattr(op.kernel, "kernel", op.kernel)      # RawKernel -> its cupy.cuda.function.Function
-        self._pdl_launcher().launch(fn.ptr, op.grid, op.block, op.smem, stream.ptr, op.args)
+        self._pdl_launcher().launch(fn.ptr, op.grid, op.block, op.smem, stream.ptr, op.args,
+                                    cooperative=getattr(op, "cooperative", False))
 
     def launch_graph(self, graph) -> None:
         graph.launch(self._cp.cuda.get_current_stream())
@@ -868,9 +869,11 @@ class _PdlLauncher:
                         ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("n_attrs", ctypes.c_uint)]
 
         self.Attr, self.Config = Attr, Config
-        self.attr = Attr()
-        self.attr.id = 6                         # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        self.attr.val[0] = 1                     # programmaticStreamSerializationAllowed
+        self.attrs = (Attr * 2)()
+        self.attrs[0].id = 6                     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self.attrs[0].val[0] = 1                 # programmaticStreamSerializationAllowed
+        self.attrs[1].id = 2                     # CU_LAUNCH_ATTRIBUTE_COOPERATIVE (a cooperative launch only)
+        self.attrs[1].val[0] = 1
 
     def _arg(self, a):
         ct = self.ct
@@ -890,14 +893,14 @@ class _PdlLauncher:
             return ct.c_double(float(a))
         raise TypeError(f"cannot pass {type(a).__name__} to a kernel")
 
-    def launch(self, func_ptr: int, grid, block, smem: int, stream_ptr: int, args) -> None:
+    def launch(self, func_ptr: int, grid, block, smem: int, stream_ptr: int, args, cooperative: bool = False) -> None:
         ct = self.ct
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         vals = [self._arg(a) for a in args]
         params = (ct.c_void_p * len(vals))(*[ct.cast(ct.pointer(v), ct.c_void_p) for v in vals])
         cfg = self.Config(*(int(g) for g in grid), *(int(b) for b in block), int(smem), ct.c_void_p(int(stream_ptr)),
-                          ct.pointer(self.attr), 1)
+                          ct.cast(self.attrs, ct.POINTER(self.Attr)), 2 if cooperative else 1)
         rc = self.fn(ct.byref(cfg), ct.c_void_p(int(func_ptr)), params, None)
         if rc != 0:
             raise BackendError(f"cuLaunchKernelEx failed with CUresult {rc}")

@@ -68,6 +68,13 @@ MM_CHAIN_SEEN_MAX = 1024            # mma_matmul.cu: the blocks a give-up record
 # placed while the launch before it drains) or plainly (on drained multiprocessors, which then take the shared-
 # memory configuration the chain asks for: the other way out of the hang prefer_max_shared answers).
 MM_CHAIN_PDL = True
+# A chain is launched as a cooperative grid (CUDA's guarantee that every block is resident at once, which a
+# chain's phase counts assume), with programmatic dependent launch where MM_CHAIN_PDL (both launch attributes).
+# Without it a chain placed beside its predecessor's blocks from PDL graphs could stay one block short of its
+# grid for good (the give-up record: block 527 never started, one multiprocessor holding three chain blocks)
+# and hang; with it the chained step ran bit-identical (GPU_NOTES, forty-first session). False: the failure hunt
+# (chain_step_check_gpu.py --no-cooperative).
+MM_CHAIN_COOPERATIVE = True
 # A/B knob (ab_bench.sh def:MM_CHAIN_FLAG=True; bench_chain_gpu.py --spread flag): a phase's waiters look at a flag
 # that its last arrival raises, not at the count (mma_matmul.cu MM_CHAIN_FLAG; the counts then on one line).
 MM_CHAIN_FLAG = False
@@ -344,9 +351,14 @@ class Op:
     # what op_mm_chain needs to run it in a chain.
     mm_kind: tuple = ()
     chain_phase: dict = field(default_factory=dict)
+    # Launched as a cooperative grid (every block resident at once: mm_chain with MM_CHAIN_COOPERATIVE).
+    cooperative: bool = False
 
     def __call__(self) -> None:
-        self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
+        if self.cooperative:
+            self.kernel(self.grid, self.block, self.args, shared_mem=self.smem, enable_cooperative_groups=True)
+        else:
+            self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
 
 
 class FusedGpu:
@@ -378,7 +390,9 @@ class FusedGpu:
         at once (the whole 228 KB configuration), so a chain block placed beside a neighbour's blocks on a
         multiprocessor configured smaller (as programmatic dependent launch allows) would keep it below
         four for the whole launch and the chain would wait forever for the blocks that cannot start.
-        qwen35_gpu's chained step sets this on every kernel of its one-row plan."""
+        qwen35_gpu's chained step sets this on every kernel of its one-row plan. (That was the fortieth session's
+        reading of the chained step's hang; the preference alone did not remove it, launching the chains as
+        cooperative grids did: MM_CHAIN_COOPERATIVE, GPU_NOTES forty-first session.)"""
         if hasattr(kern, "preferred_shared_memory_carveout"):
             kern.preferred_shared_memory_carveout = 100
 
@@ -607,7 +621,7 @@ class FusedGpu:
         args = (phases, np.int32(len(ops)), done, np.int32(stage), np.int32(n_stages), np.int32(spread),
                 np.int32(MM_CHAIN_POLL_NS))
         op = Op(label, kern, (grid,), (MM_THREADS + 32,), args, smem, sum(op.weight_bytes for op in ops),
-                tuple(keep) + (phases, done), pdl=bool(MM_CHAIN_PDL))
+                tuple(keep) + (phases, done), pdl=bool(MM_CHAIN_PDL), cooperative=bool(MM_CHAIN_COOPERATIVE))
         op.chain_defines = defines               # (chain_stuck: the module's record)
         return op
 
@@ -646,18 +660,23 @@ class FusedGpu:
         per_sm: dict[int, int] = {}
         for v in started:
             per_sm[v >> 16] = per_sm.get(v >> 16, 0) + 1
+        hist: dict[int, int] = {}                # {chain blocks a multiprocessor held: multiprocessors}
+        for n in per_sm.values():
+            hist[n] = hist.get(n, 0) + 1
+        usual = max(hist, key=lambda n: (hist[n], n)) if hist else 0
         return {"gave_up": rec[0], "block": rec[1], "thread": rec[2], "grid": rec[5], "spread": spread,
                 "phase_waited_for": phase, "counts": rec[7:7 + min(spread, 4)],
                 "expected": [1] if flag else [(rec[5] - 1 - j) // spread + 1 for j in range(min(spread, 4))],
                 # the blocks that had not started (not resident), those started but not past the phase waited
-                # for (block, multiprocessor, phases past), and the multiprocessors holding fewer chain blocks
-                # than the most any held ({multiprocessor: blocks})
+                # for (block, multiprocessor, phases past), how many multiprocessors held each number of chain
+                # blocks, and those holding fewer than most did ({multiprocessor: blocks}); a block's word is
+                # cleared by the last block of each run, so a word from an earlier run can show only if that run
+                # did not end
                 "not_started": [b for b, v in enumerate(seen) if not v & 0x8000][:16],
                 "started_behind": [(b, v >> 16, v & 0x7fff) for b, v in enumerate(seen)
                                    if v & 0x8000 and (v & 0x7fff) <= phase][:16],
-                "started": len(started), "sms": len(per_sm),
-                "sms_short": {sm: n for sm, n in sorted(per_sm.items()) if n < max(per_sm.values())}
-                if per_sm else {}}
+                "started": len(started), "sms": len(per_sm), "blocks_a_sm": dict(sorted(hist.items())),
+                "sms_short": {sm: n for sm, n in sorted(per_sm.items()) if n < usual}}
 
     # -- fused kernels ----------------------------------------------------------------------------
     def op_prep_rows(self, label: str, x, ld_x: int, row0: int, w, eps: float, K: int, norm: bool, act: ActBuffer,

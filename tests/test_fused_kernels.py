@@ -550,6 +550,7 @@ def test_mm_chain_give_up_records_the_wait_that_never_ended(dev, monkeypatch):
     # every block started and arrived past phase 0 (its count alone was wrong), on as many multiprocessors
     assert rec["started"] == chain.grid[0] and rec["not_started"] == [] and rec["started_behind"] == []
     assert 1 <= rec["sms"] <= min(chain.grid[0], fg.n_sm)
+    assert sum(n * k for n, k in rec["blocks_a_sm"].items()) == chain.grid[0]
     assert fg.chain_stuck(chain) is None, "the record was not cleared"
     assert not _h(xp, done).any(), "the last block left counts set"
     acc[...] = 0

@@ -155,8 +155,9 @@ def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch,
     tokens gives the logits and states of the launch-per-op step bit for bit (on the GPU: from captured
     graphs with programmatic dependent launch, each chain between two dependent launches), and a verify
     block keeps its launches. Every kernel of the chained plan prefers the largest shared-memory carveout
-    (fused_gpu.FusedGpu.prefer_max_shared; a multiprocessor left smaller is the suspected cause of the chained
-    27B step's hang from graphs, fortieth session)."""
+    (fused_gpu.FusedGpu.prefer_max_shared, the fortieth session's suspected fix of the chained step's hang from
+    graphs, not enough alone), and every chain is launched as a cooperative grid (fused_gpu.MM_CHAIN_COOPERATIVE:
+    a chain beside its predecessor's blocks could stay one block short of its grid, forty-first session)."""
     from daemons import qwen35_gpu
     from daemons.qwen35 import Qwen35Model
     from kernels.fused_gpu import MM_CHAIN_PREP
@@ -187,6 +188,7 @@ def test_chained_step_candidate_keeps_decode_bits(device, tmp_path, monkeypatch,
             # left smaller beside a chain block would hold fewer than the four blocks a chain needs)
             kerns = [o.kernel for o in ops if getattr(o, "kernel", None) is not None]
             assert kerns and all(k.preferred_shared_memory_carveout == 100 for k in kerns)
+            assert all(o.cooperative for o in chains), "a chain launched as an ordinary grid"
         state = dev.new_state(64)
         rows = [np.asarray(backend.to_host(dev.forward(prompt, state)))]
         for _ in range(8):

@@ -5,7 +5,7 @@ GreedyChain decoding as the serving loop runs it; logits and tokens compared bit
 launch-per-op step's.
 
     python3 tests/bench/chain_step_check_gpu.py [--layers 8] [--levels 1,2,3] [--modes eager,graphs]
-        [--no-pdl] [--chain-no-pdl] [--give-up] [--no-carveout] [--flag]
+        [--no-pdl] [--chain-no-pdl] [--no-cooperative] [--give-up] [--no-carveout] [--flag]
     python3 tests/bench/chain_step_check_gpu.py --device emu --narrow --layers 4   (a smoke test on the CPU)
 
 Why (GPU_NOTES, fortieth session): on an H100 the chained step at level 3 ran bit-identical as plain launches
@@ -16,6 +16,12 @@ multiprocessor whose L1 / shared split a neighbour's blocks left below the 228 K
 (it changes only while idle), so fewer than the grid's blocks can ever be resident; the chained step now has
 every kernel of its plan prefer the largest carveout (FusedGpu.prefer_max_shared), --no-carveout leaves them
 as they were; --chain-no-pdl launches the chains on drained multiprocessors instead (fused_gpu.MM_CHAIN_PDL).
+Forty-first session: the preference did not remove the hang (H200: a phase-0 count one block short of the
+grid, with and without it), --chain-no-pdl ran bit-identical, and --give-up's record, which now says which
+blocks had not started and what each multiprocessor held, named the last block never started beside a
+multiprocessor holding three (H100). The chains are now launched as cooperative grids
+(fused_gpu.MM_CHAIN_COOPERATIVE: every block resident at once is CUDA's guarantee), which ran levels 1 and 3
+bit-identical where the same machine hung without it; --no-cooperative launches them as before.
 """
 from __future__ import annotations
 
@@ -66,6 +72,8 @@ def main() -> None:
     ap.add_argument("--flag", action="store_true", help="chains whose waiters look at a flag (fused_gpu.MM_CHAIN_FLAG)")
     ap.add_argument("--chain-no-pdl", action="store_true",
                     help="chains launched plainly (fused_gpu.MM_CHAIN_PDL = False), the other launches with PDL")
+    ap.add_argument("--no-cooperative", action="store_true",
+                    help="chains launched as ordinary grids (fused_gpu.MM_CHAIN_COOPERATIVE = False: the hang)")
     ap.add_argument("--watchdog", type=float, default=30.0,
                     help="seconds a step may keep the device busy before the records are read and the run ends")
     ap.add_argument("--device", default="cuda", help="cuda, or emu (the CPU emulator: slow, few layers)")
@@ -78,6 +86,7 @@ def main() -> None:
     from kernels import fused_gpu
     fused_gpu.MM_CHAIN_GIVE_UP = args.give_up
     fused_gpu.MM_CHAIN_PDL = not args.chain_no_pdl
+    fused_gpu.MM_CHAIN_COOPERATIVE = not args.no_cooperative
     fused_gpu.MM_CHAIN_FLAG = args.flag
     if args.no_carveout:                        # the suspected cause of the hang, kept (GPU_NOTES, fortieth session)
         fused_gpu.FusedGpu.prefer_max_shared = staticmethod(lambda kern: None)

@@ -6,13 +6,12 @@
 # thirty-fifth sessions), ~2-4 minutes; needs only the gguf wheel.
 # trace: the stages of verify W=23's gate|up and ffn_down launches (tests/bench/stage_trace_gpu.py
 # --width 23 and gate|up's copies alone; GPU_NOTES, thirty-sixth session), ~3-4 minutes.
-# chain: the persistent-chain candidates (mma_matmul.cu mm_chain; GPU_NOTES, thirty-ninth and fortieth sessions):
-# the chained step from captured graphs (chain_step_check_gpu.py on an 8-layer model of the 27B's widths, with
-# MM_CHAIN_GIVE_UP, which names a wait that never ends): levels 1 and 3 as the step now runs them, level 3 without
-# the carveout preference (the suspected cause of the fortieth session's hang) with the chains launched with and
-# without programmatic dependent launch (the other launches with it); then tests/bench/bench_chain_gpu.py (the
-# decode step's products as launches and as one chain, a phase's counts on one line, on eight, and waiters on a
-# flag the last arrival raises), ~6 minutes.
+# chain: the persistent-chain candidates (mma_matmul.cu mm_chain; GPU_NOTES, thirty-ninth to forty-first sessions):
+# the chained step from captured graphs (chain_step_check_gpu.py on models of the 27B's widths with 8 and 24 layers,
+# with MM_CHAIN_GIVE_UP, which names a wait that never ends and the blocks it waited for): levels 1-3 with the
+# chains launched as cooperative grids (the default), then levels 1 and 3 as ordinary grids (the forty-first
+# session's hang); then tests/bench/bench_chain_gpu.py (the decode step's products as launches and as one chain, a
+# phase's counts on one line, on eight, and waiters on a flag the last arrival raises), ~6 minutes.
 # chain-tests: the chain's GPU tests (~1.5 minutes).
 set -u
 OUT="${OUT:-$PWD/out}"
@@ -55,15 +54,15 @@ if [ "$what" = chain-tests ]; then
 fi
 if [ "$what" = chain ]; then
     quiet=(grep -v -e "^Traceback" -e "^  File" -e "Exception ignored" -e moduleUnload -e check_status -e "^$")
-    # the chained step from graphs with the carveout preference (expected to pass), then without it (the suspected
-    # cause: expected to give up, short of the grid by the blocks that could not start), then without it but with
-    # the chains launched on drained multiprocessors (expected to pass)
-    timeout 200 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 1,3 --modes graphs --give-up 2>&1 \
+    # the chained step from graphs with the chains as cooperative grids (the default: expected to pass), at 8
+    # and at 24 layers (more chains a step), then as ordinary grids (the hang: the give-up record names the
+    # blocks that never started and the multiprocessors short of four)
+    timeout 120 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 1,2,3 --modes graphs --give-up 2>&1 \
         | tee "$OUT/chain_check.log" | "${quiet[@]}" | head -30
-    timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 3 --modes graphs --give-up \
-        --no-carveout 2>&1 | tee "$OUT/chain_check_nocarveout.log" | "${quiet[@]}" | head -30
-    timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 3 --modes graphs --give-up \
-        --chain-no-pdl --no-carveout 2>&1 | tee "$OUT/chain_check_chain_nopdl.log" | "${quiet[@]}" | head -20
+    timeout 150 python3 tests/bench/chain_step_check_gpu.py --layers 24 --levels 1,3 --modes graphs --give-up 2>&1 \
+        | tee "$OUT/chain_check24.log" | "${quiet[@]}" | head -30
+    timeout 120 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 1,3 --modes graphs --give-up \
+        --no-cooperative 2>&1 | tee "$OUT/chain_check_not_cooperative.log" | "${quiet[@]}" | head -30
     timeout "${PROBE_TIMEOUT:-300}" python3 tests/bench/bench_chain_gpu.py --gguf /tmp/qwen35-27b-q4km.gguf \
         --spread 1 8 flag 2>&1 | tee "$OUT/bench_chain.log"
 fi

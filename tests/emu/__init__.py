@@ -120,7 +120,9 @@ class _EmuKernel:
         # (fused_gpu.FusedGpu.prefer_max_shared); the emulator has no L1 / shared-memory split
         self.preferred_shared_memory_carveout = -1
 
-    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0) -> None:
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
+                 enable_cooperative_groups: bool = False) -> None:
+        # (a cooperative grid, CuPy's flag: CORESIDENT kernels' blocks already run side by side here)
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         conv = [_ctype_of(a) for a in args]
