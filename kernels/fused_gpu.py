@@ -13,6 +13,7 @@ defines)`, `ptr(array)` and `multiprocessors`: `kernels.cuda_backend.CudaBackend
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -657,12 +658,8 @@ class FusedGpu:
         if stream is not None:
             stream.synchronize()
         started = [v for v in seen if v & 0x8000]
-        per_sm: dict[int, int] = {}
-        for v in started:
-            per_sm[v >> 16] = per_sm.get(v >> 16, 0) + 1
-        hist: dict[int, int] = {}                # {chain blocks a multiprocessor held: multiprocessors}
-        for n in per_sm.values():
-            hist[n] = hist.get(n, 0) + 1
+        per_sm = Counter(v >> 16 for v in started)       # {multiprocessor: chain blocks it held}
+        hist = Counter(per_sm.values())                  # {chain blocks a multiprocessor held: multiprocessors}
         usual = max(hist, key=lambda n: (hist[n], n)) if hist else 0
         return {"gave_up": rec[0], "block": rec[1], "thread": rec[2], "grid": rec[5], "spread": spread,
                 "phase_waited_for": phase, "counts": rec[7:7 + min(spread, 4)],
