@@ -116,9 +116,6 @@ class _EmuKernel:
         self.lib, self.symbol, self.address = lib, symbol, address
         self.cluster = cluster_shape(symbol)
         self._fn_cache: dict[tuple, Any] = {}
-        # CUDA's function attribute (cupy's Function property), kept for the host code that sets it
-        # (fused_gpu.FusedGpu.prefer_max_shared); the emulator has no L1 / shared-memory split
-        self.preferred_shared_memory_carveout = -1
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  enable_cooperative_groups: bool = False) -> None:
@@ -147,7 +144,11 @@ def _inline_includes(code: str) -> str:
 
 
 def _flags(extra: Iterable[str] = ()) -> list[str]:
-    return ["-O1", "-std=c++20", "-pthread", "-fPIC", "-DDFLASH_EMU", "-w", f"-I{EMU_DIR}", *extra]
+    # -fno-gnu-unique: a `__shared__` object is a function template's static, which g++ otherwise emits
+    # as a GNU unique symbol that the dynamic linker binds to the first library loaded with that name:
+    # a variant build's kernel would then use the default build's objects, with their alignment
+    return ["-O1", "-std=c++20", "-pthread", "-fPIC", "-fno-gnu-unique", "-DDFLASH_EMU", "-w", f"-I{EMU_DIR}",
+            *extra]
 
 
 def _preprocess(code: str) -> str:
