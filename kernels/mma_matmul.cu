@@ -844,12 +844,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // static rows: they fit four blocks either way (registers allow no fifth), and the separate
     // issuer (T <= 8) refills a stage as soon as its warps release it.
     constexpr bool SRES_IN_STAGE = MODE == MODE_SWIGLU && NT >= 4 && !MM_SEPARATE_ISSUER(NT);
-    // (A chain keeps these in its dynamic shared memory: mm_chain_or.)
-    __shared__ float sres_static_[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? (CHAIN ? SROW : 32 * SROW) : 1];
-    __shared__ int s_last_[2];
-    auto& sres_static = mm_chain_or<CHAIN>(sres_static_, CHAIN ? ch->sres : nullptr);
-    auto& s_last = mm_chain_or<CHAIN>(s_last_, CHAIN ? ch->last : nullptr);
-    // MM_TAIL_PREFETCH (A/Bs; 0 off): a wide SwiGLU launch's stripe ending on a row block that the next
+    // MM_TAIL_PREFETCH (0 off; 3 since the forty-second session's A/B: decode -0.29 ms, verify W=23 -0.68 ms on
+    // the H100, GPU_NOTES): a wide SwiGLU launch's stripe ending on a row block that the next
     // stripe finishes (two parts; the next stripe's part is its head, done early and counted with release)
     // polls that count this many superblocks before its end, and once the part has arrived, copies it into
     // sres_static, which the loop leaves idle. At its end the block then adds it to its own sums (the same
@@ -858,13 +854,21 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // Decode's one-row build (the separate issuer; a partial is one row, 64 floats) does the same with
     // computing warp 0's lanes loading the partial into two registers each (TAIL_PREF_ROW).
 #ifndef MM_TAIL_PREFETCH
-#define MM_TAIL_PREFETCH 0
+#define MM_TAIL_PREFETCH 3
 #endif
     constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT)
                                    && !CHAIN;
     constexpr bool TAIL_PREF_WIDE = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && NT > 1 && !SRES_IN_STAGE
                                     && !MM_SEPARATE_ISSUER(NT);
     constexpr bool TAIL_PREF = TAIL_PREF_WIDE || TAIL_PREF_ROW;
+    // (TAIL_PREF_WIDE's bulk copy lands in sres_static: the copy's shared address must be 16-byte aligned;
+    // other builds keep a float's alignment, their shared-memory layout unchanged)
+    constexpr int SRES_ALIGN = TAIL_PREF_WIDE ? 16 : 4;
+    // (A chain keeps these in its dynamic shared memory: mm_chain_or.)
+    __shared__ __align__(SRES_ALIGN) float sres_static_[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? (CHAIN ? SROW : 32 * SROW) : 1];
+    __shared__ int s_last_[2];
+    auto& sres_static = mm_chain_or<CHAIN>(sres_static_, CHAIN ? ch->sres : nullptr);
+    auto& s_last = mm_chain_or<CHAIN>(s_last_, CHAIN ? ch->last : nullptr);
     __shared__ __align__(8) unsigned long long s_pref_bar[1];
     __shared__ int s_pref[1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
