@@ -407,13 +407,6 @@ class Qwen35GpuStep:
             run = []
             if op is not None:
                 out.append(op)
-        if any("chain of" in op.label for op in out):
-            # every kernel of the plan configures multiprocessors for the most shared memory, so none is
-            # left below the four chain blocks a multiprocessor that a chain needs (FusedGpu.prefer_max_shared;
-            # the chains' residency itself is their cooperative launch's, fused_gpu.MM_CHAIN_COOPERATIVE)
-            for op in out:
-                if getattr(op, "kernel", None) is not None:
-                    self.fg.prefer_max_shared(op.kernel)
         return out
 
     def _capture_buffer(self, capture: tuple[int, ...], il: int):

@@ -67,7 +67,7 @@ MM_CHAIN_GIVE_UP = False
 MM_CHAIN_SEEN_MAX = 1024            # mma_matmul.cu: the blocks a give-up record's progress copy holds
 # A/B knob (ab_bench.sh def:MM_CHAIN_PDL=False): a chain launched with programmatic dependent launch (its blocks
 # placed while the launch before it drains) or plainly (on drained multiprocessors, which then take the shared-
-# memory configuration the chain asks for: the other way out of the hang prefer_max_shared answers).
+# memory configuration the chain asks for).
 MM_CHAIN_PDL = True
 # A chain is launched as a cooperative grid (CUDA's guarantee that every block is resident at once, which a
 # chain's phase counts assume), with programmatic dependent launch where MM_CHAIN_PDL (both launch attributes).
@@ -357,7 +357,10 @@ class Op:
 
     def __call__(self) -> None:
         if self.cooperative:
-            self.kernel(self.grid, self.block, self.args, shared_mem=self.smem, enable_cooperative_groups=True)
+            # CuPy's RawKernel passes its own (constructor's) cooperative flag on to the compiled
+            # Function, so a cooperative launch of a module's kernel goes to that Function directly
+            fn = getattr(self.kernel, "kernel", self.kernel)
+            fn(tuple(self.grid), tuple(self.block), self.args, shared_mem=self.smem, enable_cooperative_groups=True)
         else:
             self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
 
@@ -382,20 +385,6 @@ class FusedGpu:
         if nbytes > 0 and hasattr(kern, "max_dynamic_shared_size_bytes"):
             if kern.max_dynamic_shared_size_bytes < nbytes:
                 kern.max_dynamic_shared_size_bytes = nbytes
-
-    @staticmethod
-    def prefer_max_shared(kern) -> None:
-        """Ask for the largest shared-memory carveout whenever `kern`'s blocks configure a multiprocessor
-        (CUDA's preferred carveout, a hint: 100 = the most shared memory, the least L1). A multiprocessor
-        changes its L1 / shared split only while idle; mm_chain needs four blocks on every multiprocessor
-        at once (the whole 228 KB configuration), so a chain block placed beside a neighbour's blocks on a
-        multiprocessor configured smaller (as programmatic dependent launch allows) would keep it below
-        four for the whole launch and the chain would wait forever for the blocks that cannot start.
-        qwen35_gpu's chained step sets this on every kernel of its one-row plan. (That was the fortieth session's
-        reading of the chained step's hang; the preference alone did not remove it, launching the chains as
-        cooperative grids did: MM_CHAIN_COOPERATIVE, GPU_NOTES forty-first session.)"""
-        if hasattr(kern, "preferred_shared_memory_carveout"):
-            kern.preferred_shared_memory_carveout = 100
 
     # -- weights --------------------------------------------------------------------------------
     def repack_tensor(self, tensor: Any) -> TcWeight | None:
@@ -606,7 +595,6 @@ class FusedGpu:
         kern = self._k("mma_matmul.cu", "mm_chain", defines)
         smem = MM_CHAIN_HEADER + n_stages * stage
         self._smem(kern, smem)
-        self.prefer_max_shared(kern)
         per_sm = getattr(self.dev, "resident_blocks", lambda *a: None)(kern, MM_THREADS + 32, smem)
         if per_sm is not None and grid > per_sm * self.n_sm:     # its blocks wait for each other: a hang
             raise ValueError(f"{label}: {grid} blocks of mm_chain, {per_sm} resident a multiprocessor "

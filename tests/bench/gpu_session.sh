@@ -63,10 +63,6 @@ if [ "$what" = chain ]; then
         | tee "$OUT/chain_check24.log" | "${quiet[@]}" | head -30
     timeout 120 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 1,3 --modes graphs --give-up \
         --no-cooperative 2>&1 | tee "$OUT/chain_check_not_cooperative.log" | "${quiet[@]}" | head -30
-    # cooperative chains without the carveout preference (the fortieth session's refuted fix): if this passes
-    # too, qwen35_gpu._chained's preference on every kernel of the plan (verify's L1 included) can go
-    timeout 120 python3 tests/bench/chain_step_check_gpu.py --layers 8 --levels 1,3 --modes graphs --give-up \
-        --no-carveout 2>&1 | tee "$OUT/chain_check_no_carveout.log" | "${quiet[@]}" | head -20
     timeout "${PROBE_TIMEOUT:-300}" python3 tests/bench/bench_chain_gpu.py --gguf /tmp/qwen35-27b-q4km.gguf \
         --spread 1 8 flag 2>&1 | tee "$OUT/bench_chain.log"
 fi
