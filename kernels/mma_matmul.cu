@@ -853,9 +853,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // counted, no partial loaded after the loop. When the part has not arrived, the exchange below.
     // Decode's one-row build (the separate issuer; a partial is one row, 64 floats) does the same with
     // computing warp 0's lanes loading the partial into two registers each (TAIL_PREF_ROW).
-    // MM_TAIL_PREFETCH_STORE (an A/B candidate, 0 off): decode's STORE products (the mixers' input
-    // projections, the output) the same way, the partial passed to the other warps through 64 floats of
-    // static shared memory.
+    // MM_TAIL_PREFETCH_STORE (an A/B candidate, 0 off): the STORE products (the mixers' input projections,
+    // the output) the same way: decode's with the partial passed to the other warps through 64 floats of
+    // static shared memory, those of 9..24 rows with it copied into T x 64 floats of it (6 KB at T = 24, less
+    // than a SwiGLU launch's 8.7; not at 25..32 rows, whose SwiGLU keeps its rows in a stage to fit four
+    // blocks a multiprocessor).
 #ifndef MM_TAIL_PREFETCH
 #define MM_TAIL_PREFETCH 3
 #endif
@@ -865,15 +867,16 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0
                                    && (MODE == MODE_SWIGLU || (MM_TAIL_PREFETCH_STORE && MODE == MODE_STORE))
                                    && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT) && !CHAIN;
-    constexpr bool TAIL_PREF_WIDE = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && NT > 1 && !SRES_IN_STAGE
-                                    && !MM_SEPARATE_ISSUER(NT);
+    constexpr bool TAIL_PREF_WIDE = MM_TAIL_PREFETCH > 0 && NT > 1 && !MM_SEPARATE_ISSUER(NT)
+                                    && (MODE == MODE_SWIGLU ? !SRES_IN_STAGE
+                                                            : MM_TAIL_PREFETCH_STORE && MODE == MODE_STORE && NT <= 3);
     constexpr bool TAIL_PREF = TAIL_PREF_WIDE || TAIL_PREF_ROW;
     // (TAIL_PREF_WIDE's bulk copy lands in sres_static: the copy's shared address must be 16-byte aligned;
     // other builds keep a float's alignment, their shared-memory layout unchanged)
     constexpr int SRES_ALIGN = TAIL_PREF_WIDE ? 16 : 4;
     // (A chain keeps these in its dynamic shared memory: mm_chain_or.)
     __shared__ __align__(SRES_ALIGN) float sres_static_[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? (CHAIN ? SROW : 32 * SROW)
-                                                        : (TAIL_PREF_ROW ? 64 : 1)];
+                                                        : TAIL_PREF_WIDE ? NT * 8 * 64 : (TAIL_PREF_ROW ? 64 : 1)];
     __shared__ int s_last_[2];
     auto& sres_static = mm_chain_or<CHAIN>(sres_static_, CHAIN ? ch->sres : nullptr);
     auto& s_last = mm_chain_or<CHAIN>(s_last_, CHAIN ? ch->last : nullptr);
