@@ -189,9 +189,8 @@ inline void mbar_expect(unsigned long long* bar, unsigned bytes) {
     mbar_arrive(bar);
 }
 inline void bulk_copy(void* smem, const void* gmem, unsigned n, unsigned long long* bar) {
-    // the hardware's rule (a misaligned copy is the GPU's "misaligned address" error); the host compiler
-    // aligns large static arrays more than a __shared__ declaration asks, so a shared destination's
-    // missing alignas may still pass here
+    // the hardware's rule (a misaligned copy is the GPU's "misaligned address" error); a shared destination
+    // declared without __align__(16) fails here only when the host linker happened to place it off 16 bytes
     if ((((unsigned long long)smem | (unsigned long long)gmem | n) & 15u) != 0)
         emu_fail("bulk copy: shared and global addresses and the size must be multiples of 16 bytes");
     std::memcpy(smem, gmem, n);
