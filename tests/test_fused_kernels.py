@@ -329,6 +329,18 @@ def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
             d.block_order(False)
 
 
+def _tail_partials_stored(xp, ws, op, n_rb, n_sb, T):
+    """For each stripe of `op` (n_rb row blocks of n_sb superblocks, T rows) that ends on a row block of two
+    parts starting in it: whether it stored its partial of that row block (the workspace's slot 1 of its
+    block; the test fills the workspace with NaN first). A stripe that prefetched the other part stores none."""
+    G, W, n_el = op.grid[0], n_rb * n_sb, T * 64
+    owner = lambda f: ((f + 1) * G - 1) // W                                     # noqa: E731
+    tails = [b for b in range(G) for f0, f1 in [(b * W // G, (b + 1) * W // G)]
+             if f1 % n_sb and (f1 // n_sb) * n_sb >= f0 and owner((f1 // n_sb) * n_sb + n_sb - 1) == b + 1]
+    part = _h(xp, ws.ws)
+    return [not np.isnan(part[(2 * b + 1) * n_el:(2 * b + 2) * n_el]).all() for b in tails]
+
+
 def test_mm_tail_prefetch_sums_cut_row_blocks_as_the_exchange_does(dev):
     """mma_matmul.cu's MM_TAIL_PREFETCH (the default since the forty-second session: decode and verify
     W=16/23 0.3-0.7 ms faster on the 27B): a SwiGLU stripe whose last row block the next stripe finishes
@@ -366,14 +378,8 @@ def test_mm_tail_prefetch_sums_cut_row_blocks_as_the_exchange_does(dev):
                     assert not _h(xp, ws.counters).any(), "a row block's counter was left set"
                 if name != "emu":
                     continue
-                # the stripes ending on a row block of two parts that starts in them: their partial of it
-                # is the workspace's slot 1 of their block
-                G, W, n_el = op.grid[0], n_rb * n_sb, T * 64
-                owner = lambda f: ((f + 1) * G - 1) // W                         # noqa: E731
-                tails = [b for b in range(G) for f0, f1 in [(b * W // G, (b + 1) * W // G)]
-                         if f1 % n_sb and (f1 // n_sb) * n_sb >= f0 and owner((f1 // n_sb) * n_sb + n_sb - 1) == b + 1]
-                stored = [not np.isnan(_h(xp, ws.ws)[(2 * b + 1) * n_el:(2 * b + 2) * n_el]).all() for b in tails]
-                assert len(tails) >= 8, tails
+                stored = _tail_partials_stored(xp, ws, op, n_rb, n_sb, T)
+                assert len(stored) >= 8, stored
                 assert all(stored) if not reverse else not any(stored), (T, reverse, stored)
     finally:
         if name == "emu":
@@ -421,13 +427,8 @@ def test_mm_tail_prefetch_store_candidate_keeps_the_bits(dev):
                 assert not _h(xp, ws.counters).any(), "a row block's counter was left set"
                 if name != "emu":
                     continue
-                G, n_sb, n_el = op.grid[0], n_in // 256, T * 64
-                W = (13 + 14) * n_sb
-                owner = lambda f: ((f + 1) * G - 1) // W                         # noqa: E731
-                tails = [b for b in range(G) for f0, f1 in [(b * W // G, (b + 1) * W // G)]
-                         if f1 % n_sb and (f1 // n_sb) * n_sb >= f0 and owner((f1 // n_sb) * n_sb + n_sb - 1) == b + 1]
-                stored = [not np.isnan(_h(xp, ws.ws)[(2 * b + 1) * n_el:(2 * b + 2) * n_el]).all() for b in tails]
-                assert len(tails) >= 4, (G, tails)
+                stored = _tail_partials_stored(xp, ws, op, 13 + 14, n_in // 256, T)
+                assert len(stored) >= 4, stored
                 assert all(stored) if not reverse else not any(stored), (T, reverse, stored)
     finally:
         if name == "emu":
