@@ -853,30 +853,19 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // counted, no partial loaded after the loop. When the part has not arrived, the exchange below.
     // Decode's one-row build (the separate issuer; a partial is one row, 64 floats) does the same with
     // computing warp 0's lanes loading the partial into two registers each (TAIL_PREF_ROW).
-    // MM_TAIL_PREFETCH_STORE (an A/B candidate, 0 off): the STORE products (the mixers' input projections,
-    // the output) the same way: decode's with the partial passed to the other warps through 64 floats of
-    // static shared memory, those of 9..24 rows with it copied into T x 64 floats of it (6 KB at T = 24, less
-    // than a SwiGLU launch's 8.7; not at 25..32 rows, whose SwiGLU keeps its rows in a stage to fit four
-    // blocks a multiprocessor).
 #ifndef MM_TAIL_PREFETCH
 #define MM_TAIL_PREFETCH 3
 #endif
-#ifndef MM_TAIL_PREFETCH_STORE
-#define MM_TAIL_PREFETCH_STORE 0
-#endif
-    constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0
-                                   && (MODE == MODE_SWIGLU || (MM_TAIL_PREFETCH_STORE && MODE == MODE_STORE))
-                                   && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT) && !CHAIN;
-    constexpr bool TAIL_PREF_WIDE = MM_TAIL_PREFETCH > 0 && NT > 1 && !MM_SEPARATE_ISSUER(NT)
-                                    && (MODE == MODE_SWIGLU ? !SRES_IN_STAGE
-                                                            : MM_TAIL_PREFETCH_STORE && MODE == MODE_STORE && NT <= 3);
+    constexpr bool TAIL_PREF_ROW = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && MM_ONE_ROW && MM_SEPARATE_ISSUER(NT)
+                                   && !CHAIN;
+    constexpr bool TAIL_PREF_WIDE = MM_TAIL_PREFETCH > 0 && MODE == MODE_SWIGLU && NT > 1 && !SRES_IN_STAGE
+                                    && !MM_SEPARATE_ISSUER(NT);
     constexpr bool TAIL_PREF = TAIL_PREF_WIDE || TAIL_PREF_ROW;
     // (TAIL_PREF_WIDE's bulk copy lands in sres_static: the copy's shared address must be 16-byte aligned;
     // other builds keep a float's alignment, their shared-memory layout unchanged)
     constexpr int SRES_ALIGN = TAIL_PREF_WIDE ? 16 : 4;
     // (A chain keeps these in its dynamic shared memory: mm_chain_or.)
-    __shared__ __align__(SRES_ALIGN) float sres_static_[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? (CHAIN ? SROW : 32 * SROW)
-                                                        : TAIL_PREF_WIDE ? NT * 8 * 64 : (TAIL_PREF_ROW ? 64 : 1)];
+    __shared__ __align__(SRES_ALIGN) float sres_static_[MODE == MODE_SWIGLU && !SRES_IN_STAGE ? (CHAIN ? SROW : 32 * SROW) : 1];
     __shared__ int s_last_[2];
     auto& sres_static = mm_chain_or<CHAIN>(sres_static_, CHAIN ? ch->sres : nullptr);
     auto& s_last = mm_chain_or<CHAIN>(s_last_, CHAIN ? ch->last : nullptr);
@@ -1298,10 +1287,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
                 const int tok = nt * 8 + 2 * c + (i & 1);
                 v[nt][i] = tok < T ? (0.0f + a[nt][i]) + sres_static[tok * ROWS + warp * 16 + g + 8 * (i >> 1)] : 0.0f;
             }
-        int sgx = 0, lrx = rbx;                  // (SwiGLU: one segment)
-        if (MODE != MODE_SWIGLU) rb_locate<MODE>(s_segs, n_segs, rbx, sgx, lrx);
         // (IN_STAGE: a barrier before the rows overwrite the partial other threads are reading)
-        mm_epilogue_regs<NT, MODE, true>(v, s_segs, sgx, lrx, warp, lane, T, sres_static, out16, outxs);
+        mm_epilogue_regs<NT, MODE, true>(v, s_segs, 0, rbx, warp, lane, T, sres_static, out16, outxs);
         if (tid == 0) counters[rbx] = 0;
     };
     // At the stripe's end: the tail row block's arrival (acquire-release), then whichever of the
@@ -1441,7 +1428,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         }
         // Ordinary stores into a stage that a bulk copy refills next (tc_common.cuh); with TAIL_PREF into
         // sres_static, where poll_tail may copy a partial later in the stripe.
-        if ((SRES_IN_STAGE || (TAIL_PREF && MODE == MODE_SWIGLU)) && !is_head && !is_tail) fence_proxy_async_smem();
+        if ((SRES_IN_STAGE || TAIL_PREF) && !is_head && !is_tail) fence_proxy_async_smem();
     };
     if (NT == 1) {
         // T <= 8: one flat loop over the stripe's superblocks. (The nested loop below is ~20

@@ -386,55 +386,6 @@ def test_mm_tail_prefetch_sums_cut_row_blocks_as_the_exchange_does(dev):
             d.block_order(False)
 
 
-def test_mm_tail_prefetch_store_candidate_keeps_the_bits(dev):
-    """MM_TAIL_PREFETCH_STORE (an A/B candidate, off by default): the STORE products (the mixers' input
-    projections, the output) prefetch their stripe's cut last row block's other part as the SwiGLU products
-    do: decode's one-row build with the partial handed from warp 0's registers to the other warps through
-    static shared memory, the builds of 9..24 rows with a bulk copy into it. Bugs it guards: a changed order of
-    the sum, a row written into the wrong segment (a STORE row block lives in one of several matrices: two
-    segments here, the second starting mid-grid), a counter left set, a misaligned copy. Bit for bit against
-    the build without any prefetch; on the emulator in both block orders, and only last to first do the
-    stripes skip storing their last row block's partial (the path ran)."""
-    name, d, fg = dev
-    xp = fg.xp
-    rng = np.random.default_rng(43)
-    n_in = 1280
-    sizes = (832, 896)                                                 # 13 + 14 row blocks of 64 rows
-    raws = [_scaled_raw(QT_Q4_K, n, n_in, rng) for n in sizes]
-    ws_ = [fg.repack(f"s{i}", QT_Q4_K, n, n_in, r) for i, (n, r) in enumerate(zip(sizes, raws))]
-    ws = MmWorkspace(xp, *fg.workspace_need(ws_, MODE_STORE))
-    n_total = sum(sizes)
-    orders = (False, True) if name == "emu" else (False,)
-
-    def run(act, T, variant):
-        y = xp.full((T, n_total), np.nan, dtype=xp.float32)
-        ws.ws[...] = np.nan
-        op = fg.op_mm("t", [(ws_[0], y, 0, n_total), (ws_[1], y, sizes[0], n_total)], act, T, MODE_STORE, ws,
-                      variant=variant)
-        op()
-        return _h(xp, y), op
-
-    try:
-        for T in (1, 9, 23):
-            act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
-            for reverse in orders:
-                if name == "emu":
-                    d.block_order(reverse)
-                want, _ = run(act, T, ("MM_TAIL_PREFETCH=0",))
-                assert not np.isnan(want).any()
-                got, op = run(act, T, ("MM_TAIL_PREFETCH_STORE=1",))
-                assert np.array_equal(got, want), f"T={T} reverse={reverse}: the STORE prefetch changed bits"
-                assert not _h(xp, ws.counters).any(), "a row block's counter was left set"
-                if name != "emu":
-                    continue
-                stored = _tail_partials_stored(xp, ws, op, 13 + 14, n_in // 256, T)
-                assert len(stored) >= 4, stored
-                assert all(stored) if not reverse else not any(stored), (T, reverse, stored)
-    finally:
-        if name == "emu":
-            d.block_order(False)
-
-
 def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     """Decode's products run mma_matmul.cu's MM_ONE_ROW build (fused_gpu.ONE_ROW_BUILD: T = 1 a constant, so
     the staged rows' offsets fold into the loads): every output bit-identical to the build for 1..8 rows
