@@ -1054,13 +1054,28 @@ __device__ __forceinline__ unsigned tc_tile_bytes(int kb, int hi, int D) {
     const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl, \
         int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D,               \
         int split_cap, float scale, int T
+// ATT_TC_RING (fused_gpu.ATT_TC_UNIT_RING, an A/B candidate; 0 off): the K and V tiles as separate units in a
+// ring of three slots (unit 2i: tile i's K rows, 2i + 1: its V rows, unit u in slot u % 3), each slot
+// refilled as soon as both warps are done with it (K after the scores, V after P V), so the units two
+// ahead are in flight as the two stages' tiles were, in 3/4 of the shared memory (55 KB at D = 256
+// against 71: four blocks a multiprocessor instead of three; a W = 23 verify at 512 keys has ~400
+// working blocks of its 576, more than three a multiprocessor hold at once). The same operations on
+// the same values (the rows' bits unchanged).
+#ifndef ATT_TC_RING
+#define ATT_TC_RING 0
+#endif
 extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { TL_SCOPE;
-    __shared__ __align__(8) unsigned long long s_full[2];
-    DYN_SMEM(float, sm);        // K [2][16][D + 16], V [2][16][D + 4], score halves [2][16][ATT_TC_S_LD]
+    __shared__ __align__(8) unsigned long long s_full[ATT_TC_RING ? 3 : 2];
+    // K [2][16][D + 16], V [2][16][D + 4] (ring: three slots [16][D + 16]), score halves [2][16][ATT_TC_S_LD]
+    DYN_SMEM(float, sm);
     const int KLD = D + 16, VLD = D + 4;
     float* sk = sm;
     float* sv = sk + 2 * ATT_TC_ROWS * KLD;
+#if ATT_TC_RING
+    float* ss = sm + 3 * ATT_TC_ROWS * KLD;
+#else
     float* ss = sv + 2 * ATT_TC_ROWS * VLD;
+#endif
     trigger_dependents();   // the next launch may start (it waits for us before reading)
     const int s = blockIdx.x, kvh = blockIdx.y, m0 = blockIdx.z * ATT_TC_ROWS;
     const int G = H / Hkv, M = T * G;
@@ -1073,6 +1088,31 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { 
     int j0r[2], j1r[2], lo, hi;
     tc_rows(p0, m0, M, G, split_cap, s, g, j0r, j1r, lo, hi);
     const int n_tiles = hi > lo ? (hi - lo + 15) / 16 : 0;
+#if ATT_TC_RING
+    // unit u: tile u / 2's K rows (u even) or V rows, into slot u % 3; a tile's keys below n_past (no
+    // launch of this step writes them) may be requested before the dependency wait
+    const int n_units = 2 * n_tiles;
+    auto slot_of = [&](int u) { return sm + (u % 3) * ATT_TC_ROWS * KLD; };
+    auto issue = [&](int u) {   // warp 0: unit u
+        const int kb = lo + 16 * (u >> 1), nrow = min(16, hi - kb);
+        const bool is_v = u & 1;
+        if (lane == 0) mbar_expect(&s_full[u % 3], (unsigned)(nrow * D) * 4u);
+        warp_sync();
+        for (int r = 0; r < nrow; ++r)
+            stage_copy(slot_of(u) + r * (is_v ? VLD : KLD), (is_v ? vc : kc) + (size_t)(kb + r) * D, (unsigned)D * 4u,
+                       &s_full[u % 3], lane);
+    };
+    int issued = 0;             // warp 0: units requested so far (the first three, in order)
+    if (warp == 0) {
+        if (lane == 0)
+            for (int b = 0; b < 3; ++b) mbar_init(&s_full[b], 1);
+        warp_sync();
+        while (issued < min(3, n_units) && lo + 16 * ((issued >> 1) + 1) <= p0) issue(issued++);
+    }
+    grid_dependency_wait();
+    if (warp == 0)
+        while (issued < min(3, n_units)) issue(issued++);
+#else
     auto issue = [&](int i) {   // warp 0: tile i into stage i & 1
         const int kb = lo + 16 * i, st = i & 1;
         if (lane == 0) mbar_expect(&s_full[st], tc_tile_bytes(kb, hi, D));
@@ -1092,6 +1132,7 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { 
     grid_dependency_wait();
     if (warp == 0)
         while (issued < min(2, n_tiles)) issue(issued++);
+#endif
     u32 qh[ATT_TC_MAXD / 32][4], ql[ATT_TC_MAXD / 32][4];
     tc_load_q(qh, ql, q, m0, M, G, H, kvh, D, warp, g, c);
     __syncthreads();            // the barriers' initialisation, seen by warp 1 before it waits
@@ -1102,12 +1143,22 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { 
     for (int j = 0; j < ATT_TC_MAXD / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     for (int i = 0; i < n_tiles; ++i) {
         const int kb = lo + 16 * i, st = i & 1;
+#if ATT_TC_RING
+        const float* tk = slot_of(2 * i);
+        const float* tv = slot_of(2 * i + 1);
+        mbar_wait(&s_full[(2 * i) % 3], (unsigned)((2 * i) / 3) & 1u);
+#else
+        const float* tk = sk + st * ATT_TC_ROWS * KLD;
         const float* tv = sv + st * ATT_TC_ROWS * VLD;
         mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
+#endif
         float sc[2][4];
-        tc_scores_half(sc, sk + st * ATT_TC_ROWS * KLD, KLD, warp, D, qh, ql, g, c);
+        tc_scores_half(sc, tk, KLD, warp, D, qh, ql, g, c);
         tc_store_half(ss + warp * ATT_TC_ROWS * ATT_TC_S_LD, sc, g, c);
         __syncthreads();
+#if ATT_TC_RING
+        if (warp == 0 && 2 * i + 3 < n_units) issue(2 * i + 3);       // both warps are done with K: V of tile i + 1
+#endif
         const float* other = ss + (warp ^ 1) * ATT_TC_ROWS * ATT_TC_S_LD;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
@@ -1117,11 +1168,18 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { 
         float corr[2];
         u32 ph[4], pl[4];
         tc_softmax_tile(sc, kb, j0r, j1r, scale, c, mrow, lrow, corr, ph, pl);
+#if ATT_TC_RING
+        mbar_wait(&s_full[(2 * i + 1) % 3], (unsigned)((2 * i + 1) / 3) & 1u);
+#endif
 #pragma unroll
         for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
             if (j < NJ) tc_pv_cols(acc[j], tv, VLD, d0 + 8 * j, kb, hi, g, c, corr, ph, pl);
-        __syncthreads();        // both warps are done with the stage and the score halves
+        __syncthreads();        // both warps are done with the stage (ring: V's slot) and the score halves
+#if ATT_TC_RING
+        if (warp == 0 && 2 * i + 4 < n_units) issue(2 * i + 4);       // K of tile i + 2
+#else
         if (warp == 0 && i + 2 < n_tiles) issue(i + 2);
+#endif
     }
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {

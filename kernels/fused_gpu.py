@@ -104,6 +104,10 @@ ATT_HEADS_WIDE = 3
 # past 2K keys); decode +0.08 ms at 512 keys, +0.2 at 4K, +0.36 at 16K.
 ATT_TENSOR_CORES = True
 ATT_TC_S_LD = 24                    # fused.cu ATT_TC_S_LD: the score halves' row stride
+# A/B candidate (tests/bench/ab_bench.sh def:ATT_TC_UNIT_RING=True): attn_partial_tc built with fused.cu's
+# ATT_TC_RING, K and V tiles as units in a ring of three slots: 55 KB of shared memory at D = 256 instead of
+# 71, four blocks a multiprocessor instead of three. The same bits.
+ATT_TC_UNIT_RING = False
 ATT_TCD_CHUNK = 2                   # fused.cu ATT_TCD_CHUNK: tiles a stage of attn_partial_tcd holds
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
@@ -843,8 +847,12 @@ class FusedGpu:
                 smem = 4 * 16 * ATT_TCD_CHUNK * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)   # fused.cu
                 self._smem(kern, smem)
                 return Op(label, kern, (splits, Hkv, 1), (256,), args, smem)
-            kern = self._k("fused.cu", "attn_partial_tc")
-            smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)    # fused.cu: K, V stages, score halves
+            if ATT_TC_UNIT_RING:
+                kern = self._k("fused.cu", "attn_partial_tc", ("ATT_TC_RING=1",))
+                smem = 4 * 16 * (3 * (D + 16) + 2 * ATT_TC_S_LD)             # fused.cu: three slots, score halves
+            else:
+                kern = self._k("fused.cu", "attn_partial_tc")
+                smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)    # fused.cu: K, V stages, score halves
             self._smem(kern, smem)
             return Op(label, kern, (splits, Hkv, -(-M // 16)), (64,), args, smem)
         R = heads if heads is not None else attn_heads_per_block(H // Hkv, T)

@@ -1179,6 +1179,41 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
     assert _rel(wide_o[live], ref_o[live]) <= 1e-5
 
 
+@pytest.mark.parametrize("n_past", (0, 500, 1100))
+def test_attention_tc_unit_ring_keeps_the_bits(dev, n_past, monkeypatch):
+    """fused_gpu.ATT_TC_UNIT_RING (an A/B candidate; fused.cu ATT_TC_RING): attn_partial_tc with its K
+    and V tiles as units in a ring of three slots, each refilled as soon as both warps are done with it,
+    must give every row the bits of the two-stage build. Bugs it guards: a unit in the wrong slot or
+    waited on with the wrong phase (a tile's scores or P V from another tile's rows), a slot refilled
+    while a warp still reads it, a unit never issued (a hang). Splits of one tile (two units, fewer than
+    the ring's three), of three tiles (~500 keys: 48-key splits, as the 27B bench's verify has them) and
+    of five (~1100 keys: 80); rows of three positions side by side."""
+    from kernels import fused_gpu
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(n_past + 13)
+    H, Hkv, D, T = 6, 2, 64, 3
+    ctx = n_past + T + 8
+    kc = xp.array(rng.standard_normal((Hkv, ctx, D)).astype(np.float32))
+    vc = xp.array((2 * rng.standard_normal((Hkv, ctx, D))).astype(np.float32))
+    tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
+    params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
+    q = xp.array(rng.standard_normal((T, H, D)).astype(np.float32))
+    outs = []
+    for ring in (False, True):
+        monkeypatch.setattr(fused_gpu, "ATT_TC_UNIT_RING", ring)
+        part_o = xp.full((T, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
+        part_ml = xp.full((T, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
+        op = fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
+                                tensor_cores=True, decode_kernel=False)
+        op()
+        outs.append((_h(xp, part_o), _h(xp, part_ml), op.smem))
+    assert outs[1][2] < outs[0][2], "the ring build asks for less shared memory"
+    assert (outs[0][1][..., 1] > 0).any()
+    assert np.array_equal(outs[1][0], outs[0][0], equal_nan=True), f"{name}: o of the ring build"
+    assert np.array_equal(outs[1][1], outs[0][1], equal_nan=True), f"{name}: (m, l) of the ring build"
+
+
 @pytest.mark.parametrize("n_past", (0, 40, 1100))
 def test_attention_decode_kernel_equals_verify_kernel(dev, n_past):
     """attn_partial_tcd (the rows of one tile, as decode has them, with eight warps: score halves of
