@@ -412,9 +412,9 @@ def _attention_kernels(step, n_keys: int) -> str | None:
     """Which attention kernels the GPU step runs, and with how many key splits at n_keys keys."""
     if not getattr(step, "attn_layers", None):
         return None
-    from kernels.fused_gpu import ATT_SPLIT_CAP_FMA, ATT_SPLIT_CAP_TC, att_launch_splits
+    from kernels.fused_gpu import ATT_SPLIT_CAP_FMA, ATT_SPLIT_CAP_TC, ATT_TC_MTILES, att_launch_splits
     tc = step.att_tc
-    kind = ("tensor cores (attn_partial_tc; decode rows attn_partial_tcd)" if tc
+    kind = (f"tensor cores (attn_partial_tc, {ATT_TC_MTILES} m-tiles a block; decode rows attn_partial_tcd)" if tc
             else "FMA (attn_partial_g<R>)")
     return (f"{kind}, {att_launch_splits(n_keys, tc)} key splits at {n_keys} keys "
             f"(at most {ATT_SPLIT_CAP_TC if tc else ATT_SPLIT_CAP_FMA})")

@@ -1054,65 +1054,39 @@ __device__ __forceinline__ unsigned tc_tile_bytes(int kb, int hi, int D) {
     const float* __restrict__ q, const int* __restrict__ params, const unsigned long long* __restrict__ tbl, \
         int slot, float* __restrict__ part_o, float* __restrict__ part_ml, int H, int Hkv, int D,               \
         int split_cap, float scale, int T
-// ATT_TC_RING (fused_gpu.ATT_TC_UNIT_RING, an A/B candidate; 0 off): the K and V tiles as separate units in a
-// ring of three slots (unit 2i: tile i's K rows, 2i + 1: its V rows, unit u in slot u % 3), each slot
-// refilled as soon as both warps are done with it (K after the scores, V after P V), so the units two
-// ahead are in flight as the two stages' tiles were, in 3/4 of the shared memory (55 KB at D = 256
-// against 71: four blocks a multiprocessor instead of three; a W = 23 verify at 512 keys has ~400
-// working blocks of its 576, more than three a multiprocessor hold at once). The same operations on
-// the same values (the rows' bits unchanged).
-#ifndef ATT_TC_RING
-#define ATT_TC_RING 0
-#endif
-extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { TL_SCOPE;
-    __shared__ __align__(8) unsigned long long s_full[ATT_TC_RING ? 3 : 2];
-    // K [2][16][D + 16], V [2][16][D + 4] (ring: three slots [16][D + 16]), score halves [2][16][ATT_TC_S_LD]
+// attn_partial_tc<MT>: MT m-tiles of 16 (row, head) pairs of one KV group a block, two warps an m-tile
+// (warp w: m-tile w >> 1, score half and D half w & 1), all of them reading the same staged K and V
+// tiles, so a verify step's rows of one KV group read each tile from L2 once every MT m-tiles. The
+// block walks the union of its rows' key ranges in tiles at lo + 16 i, like one m-tile's block (tiles
+// start on multiples of 16 either way, and a tile wholly outside a row's range leaves its state as it
+// was), so a row's operations and bits do not depend on MT: decode (attn_partial_tcd) and verify rows
+// agree whichever MT verify takes. Warps of an m-tile past the rows only take part in the barriers.
+template <int MT>
+__device__ __forceinline__ void attn_partial_tc_impl(ATT_TC_ARGS) {
+    __shared__ __align__(8) unsigned long long s_full[2];
+    // K [2][16][D + 16], V [2][16][D + 4], score halves [MT][2][16][ATT_TC_S_LD]
     DYN_SMEM(float, sm);
     const int KLD = D + 16, VLD = D + 4;
     float* sk = sm;
     float* sv = sk + 2 * ATT_TC_ROWS * KLD;
-#if ATT_TC_RING
-    float* ss = sm + 3 * ATT_TC_ROWS * KLD;
-#else
     float* ss = sv + 2 * ATT_TC_ROWS * VLD;
-#endif
     trigger_dependents();   // the next launch may start (it waits for us before reading)
-    const int s = blockIdx.x, kvh = blockIdx.y, m0 = blockIdx.z * ATT_TC_ROWS;
-    const int G = H / Hkv, M = T * G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int half = warp & 1, mt = warp >> 1;
+    const int s = blockIdx.x, kvh = blockIdx.y, mb = blockIdx.z * MT * ATT_TC_ROWS, m0 = mb + mt * ATT_TC_ROWS;
+    const int G = H / Hkv, M = T * G;
+    const bool rows_ok = MT == 1 || m0 < M;    // this warp's m-tile holds rows
     const int p0 = params[0];
     const int ctx = (int)tbl[slot + 2];
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
     const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
-    // this lane's rows g and g + 8 and their keys; the block walks the union of its rows' ranges
-    int j0r[2], j1r[2], lo, hi;
-    tc_rows(p0, m0, M, G, split_cap, s, g, j0r, j1r, lo, hi);
+    // this lane's rows g and g + 8 of its m-tile and their keys; the block walks the union of its rows'
+    // ranges: lo from its first row, hi from its last
+    int j0r[2], j1r[2], lo, hi, unused;
+    tc_rows(p0, rows_ok ? m0 : mb, M, G, split_cap, s, g, j0r, j1r, unused, unused);
+    att_split_range(p0 + mb / G + 1, split_cap, s, lo, unused);
+    att_split_range(p0 + min(M - 1, mb + MT * ATT_TC_ROWS - 1) / G + 1, split_cap, s, unused, hi);
     const int n_tiles = hi > lo ? (hi - lo + 15) / 16 : 0;
-#if ATT_TC_RING
-    // unit u: tile u / 2's K rows (u even) or V rows, into slot u % 3; a tile's keys below n_past (no
-    // launch of this step writes them) may be requested before the dependency wait
-    const int n_units = 2 * n_tiles;
-    auto slot_of = [&](int u) { return sm + (u % 3) * ATT_TC_ROWS * KLD; };
-    auto issue = [&](int u) {   // warp 0: unit u
-        const int kb = lo + 16 * (u >> 1), nrow = min(16, hi - kb);
-        const bool is_v = u & 1;
-        if (lane == 0) mbar_expect(&s_full[u % 3], (unsigned)(nrow * D) * 4u);
-        warp_sync();
-        for (int r = 0; r < nrow; ++r)
-            stage_copy(slot_of(u) + r * (is_v ? VLD : KLD), (is_v ? vc : kc) + (size_t)(kb + r) * D, (unsigned)D * 4u,
-                       &s_full[u % 3], lane);
-    };
-    int issued = 0;             // warp 0: units requested so far (the first three, in order)
-    if (warp == 0) {
-        if (lane == 0)
-            for (int b = 0; b < 3; ++b) mbar_init(&s_full[b], 1);
-        warp_sync();
-        while (issued < min(3, n_units) && lo + 16 * ((issued >> 1) + 1) <= p0) issue(issued++);
-    }
-    grid_dependency_wait();
-    if (warp == 0)
-        while (issued < min(3, n_units)) issue(issued++);
-#else
     auto issue = [&](int i) {   // warp 0: tile i into stage i & 1
         const int kb = lo + 16 * i, st = i & 1;
         if (lane == 0) mbar_expect(&s_full[st], tc_tile_bytes(kb, hi, D));
@@ -1127,60 +1101,50 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { 
             mbar_init(&s_full[1], 1);
         }
         warp_sync();
+        // a tile's keys below n_past (no launch of this step writes them) may be requested before the wait
         while (issued < min(2, n_tiles) && lo + 16 * (issued + 1) <= p0) issue(issued++);
     }
     grid_dependency_wait();
     if (warp == 0)
         while (issued < min(2, n_tiles)) issue(issued++);
-#endif
     u32 qh[ATT_TC_MAXD / 32][4], ql[ATT_TC_MAXD / 32][4];
-    tc_load_q(qh, ql, q, m0, M, G, H, kvh, D, warp, g, c);
-    __syncthreads();            // the barriers' initialisation, seen by warp 1 before it waits
-    const int DH = D / 2, NJ = DH / 8, d0 = warp * DH;
+    if (rows_ok) tc_load_q(qh, ql, q, m0, M, G, H, kvh, D, half, g, c);
+    __syncthreads();            // the barriers' initialisation, seen by the other warps before they wait
+    const int DH = D / 2, NJ = DH / 8, d0 = half * DH;
     float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
     float acc[ATT_TC_MAXD / 16][4];
 #pragma unroll
     for (int j = 0; j < ATT_TC_MAXD / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float* ss_mine = ss + (2 * mt + half) * ATT_TC_ROWS * ATT_TC_S_LD;
+    const float* ss_other = ss + (2 * mt + (half ^ 1)) * ATT_TC_ROWS * ATT_TC_S_LD;
     for (int i = 0; i < n_tiles; ++i) {
         const int kb = lo + 16 * i, st = i & 1;
-#if ATT_TC_RING
-        const float* tk = slot_of(2 * i);
-        const float* tv = slot_of(2 * i + 1);
-        mbar_wait(&s_full[(2 * i) % 3], (unsigned)((2 * i) / 3) & 1u);
-#else
         const float* tk = sk + st * ATT_TC_ROWS * KLD;
         const float* tv = sv + st * ATT_TC_ROWS * VLD;
-        mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
-#endif
         float sc[2][4];
-        tc_scores_half(sc, tk, KLD, warp, D, qh, ql, g, c);
-        tc_store_half(ss + warp * ATT_TC_ROWS * ATT_TC_S_LD, sc, g, c);
+        if (rows_ok) {
+            mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
+            tc_scores_half(sc, tk, KLD, half, D, qh, ql, g, c);
+            tc_store_half(ss_mine, sc, g, c);
+        }
         __syncthreads();
-#if ATT_TC_RING
-        if (warp == 0 && 2 * i + 3 < n_units) issue(2 * i + 3);       // both warps are done with K: V of tile i + 1
-#endif
-        const float* other = ss + (warp ^ 1) * ATT_TC_ROWS * ATT_TC_S_LD;
+        if (rows_ok) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)      // S0 + S1 = S1 + S0: the same in both warps
-                sc[nt][e] = sc[nt][e] + other[(g + 8 * (e >> 1)) * ATT_TC_S_LD + 8 * nt + 2 * c + (e & 1)];
-        float corr[2];
-        u32 ph[4], pl[4];
-        tc_softmax_tile(sc, kb, j0r, j1r, scale, c, mrow, lrow, corr, ph, pl);
-#if ATT_TC_RING
-        mbar_wait(&s_full[(2 * i + 1) % 3], (unsigned)((2 * i + 1) / 3) & 1u);
-#endif
+                for (int e = 0; e < 4; ++e)      // S0 + S1 = S1 + S0: the same in both warps
+                    sc[nt][e] = sc[nt][e] + ss_other[(g + 8 * (e >> 1)) * ATT_TC_S_LD + 8 * nt + 2 * c + (e & 1)];
+            float corr[2];
+            u32 ph[4], pl[4];
+            tc_softmax_tile(sc, kb, j0r, j1r, scale, c, mrow, lrow, corr, ph, pl);
 #pragma unroll
-        for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
-            if (j < NJ) tc_pv_cols(acc[j], tv, VLD, d0 + 8 * j, kb, hi, g, c, corr, ph, pl);
-        __syncthreads();        // both warps are done with the stage (ring: V's slot) and the score halves
-#if ATT_TC_RING
-        if (warp == 0 && 2 * i + 4 < n_units) issue(2 * i + 4);       // K of tile i + 2
-#else
+            for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
+                if (j < NJ) tc_pv_cols(acc[j], tv, VLD, d0 + 8 * j, kb, hi, g, c, corr, ph, pl);
+        }
+        __syncthreads();        // every warp is done with the stage and the score halves
         if (warp == 0 && i + 2 < n_tiles) issue(i + 2);
-#endif
     }
+    if (!rows_ok) return;
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
         const int m = m0 + g + 8 * i2;
@@ -1194,12 +1158,18 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { 
                 o[0] = acc[j][2 * i2];
                 o[1] = acc[j][2 * i2 + 1];
             }
-        if (warp == 0 && c == 0) {
+        if (half == 0 && c == 0) {
             part_ml[slot_i * 2] = lrow[i2] > 0.0f ? mrow[i2] : NEG_INF;
             part_ml[slot_i * 2 + 1] = lrow[i2];
         }
     }
 }
+extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { TL_SCOPE;
+    attn_partial_tc_impl<1>(q, params, tbl, slot, part_o, part_ml, H, Hkv, D, split_cap, scale, T); }
+// Two m-tiles: 204 registers; 2 or 3 blocks a multiprocessor (3: 168 registers and a few spilled)
+#define ATT_TC2_MIN_BLOCKS 2
+extern "C" __global__ void __launch_bounds__(128, ATT_TC2_MIN_BLOCKS) attn_partial_tc2(ATT_TC_ARGS) { TL_SCOPE;
+    attn_partial_tc_impl<2>(q, params, tbl, slot, part_o, part_ml, H, Hkv, D, split_cap, scale, T); }
 
 // attn_partial_tcd: attn_partial_tc's rows computed with more warps, for launches whose rows fit one
 // m-tile (T * G <= 16: decode), where the verify kernel's two warps walk the split's tiles alone

@@ -104,10 +104,13 @@ ATT_HEADS_WIDE = 3
 # past 2K keys); decode +0.08 ms at 512 keys, +0.2 at 4K, +0.36 at 16K.
 ATT_TENSOR_CORES = True
 ATT_TC_S_LD = 24                    # fused.cu ATT_TC_S_LD: the score halves' row stride
-# A/B candidate (tests/bench/ab_bench.sh def:ATT_TC_UNIT_RING=True): attn_partial_tc built with fused.cu's
-# ATT_TC_RING, K and V tiles as units in a ring of three slots: 55 KB of shared memory at D = 256 instead of
-# 71, four blocks a multiprocessor instead of three. The same bits.
-ATT_TC_UNIT_RING = False
+# m-tiles of 16 (row, head) pairs a verify attention block (fused.cu attn_partial_tc<MT>: 1 or 2), whose
+# warps share each staged K / V tile: 2 halves a verify step's K / V reads from L2 and its blocks, and holds
+# 8 warps a multiprocessor (two blocks; registers) where 1 holds 6 (three; shared memory). The same bits
+# either way. H100, 27B, against 1 (tests/bench/GPU_NOTES.md, forty-fourth session; three calls): verify
+# graph W=23 -0.16 to -0.18 ms at 512 keys and -0.23 at 2048, W=32 -0.03 / -0.51, W=8 and W=16 +0.03 to
+# +0.05 at 512 keys (their blocks fit one wave either way) but W=16 -0.30 at 2048; decode unchanged.
+ATT_TC_MTILES = 2
 ATT_TCD_CHUNK = 2                   # fused.cu ATT_TCD_CHUNK: tiles a stage of attn_partial_tcd holds
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
@@ -817,10 +820,10 @@ class FusedGpu:
         """Split-K attention of T rows over the cache into part_o [T, H, ATT_MAX_SPLITS, D] and
         part_ml [T, H, ATT_MAX_SPLITS, 2]; a block takes `heads` query heads of one KV group (default
         attn_heads_per_block: the result's bits do not depend on it). tensor_cores (default
-        att_tensor_cores(D)): blocks of 16 (row, head) pairs of one KV group with the scores and
+        att_tensor_cores(D)): m-tiles of 16 (row, head) pairs of one KV group with the scores and
         outputs on tensor cores and the keys staged in shared memory (other bits than
         attn_partial_g<R>, so decode and verify must both take it, as they do through this default):
-        attn_partial_tc, or for rows that fit one block (T * H / Hkv <= 16: decode; decode_kernel
+        attn_partial_tc (ATT_TC_MTILES m-tiles a block on the same staged keys), or for rows that fit one block (T * H / Hkv <= 16: decode; decode_kernel
         forces either) attn_partial_tcd, the same rows' bits with eight warps. splits: the grid's
         splits, at least att_row_splits of the longest row (att_launch_splits; default the family's
         cap, right for any context); attn_combine_prep must scan as many."""
@@ -847,14 +850,13 @@ class FusedGpu:
                 smem = 4 * 16 * ATT_TCD_CHUNK * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)   # fused.cu
                 self._smem(kern, smem)
                 return Op(label, kern, (splits, Hkv, 1), (256,), args, smem)
-            if ATT_TC_UNIT_RING:
-                kern = self._k("fused.cu", "attn_partial_tc", ("ATT_TC_RING=1",))
-                smem = 4 * 16 * (3 * (D + 16) + 2 * ATT_TC_S_LD)             # fused.cu: three slots, score halves
-            else:
-                kern = self._k("fused.cu", "attn_partial_tc")
-                smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * ATT_TC_S_LD)    # fused.cu: K, V stages, score halves
+            mt = ATT_TC_MTILES
+            if mt not in (1, 2):
+                raise ValueError(f"{label}: attn_partial_tc takes 1 or 2 m-tiles a block, not {mt}")
+            kern = self._k("fused.cu", "attn_partial_tc" if mt == 1 else f"attn_partial_tc{mt}")
+            smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * mt * ATT_TC_S_LD)   # fused.cu: K, V stages, score halves
             self._smem(kern, smem)
-            return Op(label, kern, (splits, Hkv, -(-M // 16)), (64,), args, smem)
+            return Op(label, kern, (splits, Hkv, -(-M // (16 * mt))), (64 * mt,), args, smem)
         R = heads if heads is not None else attn_heads_per_block(H // Hkv, T)
         if R not in ATT_HEADS or H % Hkv or (H // Hkv) % R:
             raise ValueError(f"{label}: {R} heads a block for a group of {H}/{Hkv} heads")

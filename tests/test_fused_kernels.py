@@ -1180,38 +1180,43 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
 
 
 @pytest.mark.parametrize("n_past", (0, 500, 1100))
-def test_attention_tc_unit_ring_keeps_the_bits(dev, n_past, monkeypatch):
-    """fused_gpu.ATT_TC_UNIT_RING (an A/B candidate; fused.cu ATT_TC_RING): attn_partial_tc with its K
-    and V tiles as units in a ring of three slots, each refilled as soon as both warps are done with it,
-    must give every row the bits of the two-stage build. Bugs it guards: a unit in the wrong slot or
-    waited on with the wrong phase (a tile's scores or P V from another tile's rows), a slot refilled
-    while a warp still reads it, a unit never issued (a hang). Splits of one tile (two units, fewer than
-    the ring's three), of three tiles (~500 keys: 48-key splits, as the 27B bench's verify has them) and
-    of five (~1100 keys: 80); rows of three positions side by side."""
+def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
+    """fused_gpu.ATT_TC_MTILES = 2 (fused.cu attn_partial_tc2): two m-tiles of a KV group's rows a
+    block, four warps on the same staged K / V tiles, walking the union of both m-tiles' key ranges,
+    must give every row the bits of one m-tile a block (so verify rows still equal decode steps).
+    Bugs it guards: a warp reading the other m-tile's score halves, a tile range cut to the first
+    m-tile's rows (the second's last keys never seen), the idle m-tile of an odd count writing rows
+    or missing a barrier (a hang). Three m-tiles (39 rows: two blocks, the second half idle) and
+    four (48: whole blocks); splits of one, three (~500 keys) and five tiles (~1100)."""
     from kernels import fused_gpu
     name, d, fg = dev
     xp = fg.xp
     rng = np.random.default_rng(n_past + 13)
-    H, Hkv, D, T = 6, 2, 64, 3
-    ctx = n_past + T + 8
-    kc = xp.array(rng.standard_normal((Hkv, ctx, D)).astype(np.float32))
-    vc = xp.array((2 * rng.standard_normal((Hkv, ctx, D))).astype(np.float32))
-    tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
-    params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
-    q = xp.array(rng.standard_normal((T, H, D)).astype(np.float32))
-    outs = []
-    for ring in (False, True):
-        monkeypatch.setattr(fused_gpu, "ATT_TC_UNIT_RING", ring)
-        part_o = xp.full((T, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
-        part_ml = xp.full((T, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
-        op = fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
-                                tensor_cores=True, decode_kernel=False)
-        op()
-        outs.append((_h(xp, part_o), _h(xp, part_ml), op.smem))
-    assert outs[1][2] < outs[0][2], "the ring build asks for less shared memory"
-    assert (outs[0][1][..., 1] > 0).any()
-    assert np.array_equal(outs[1][0], outs[0][0], equal_nan=True), f"{name}: o of the ring build"
-    assert np.array_equal(outs[1][1], outs[0][1], equal_nan=True), f"{name}: (m, l) of the ring build"
+    H, Hkv, D = 6, 2, 64
+    for T in (13, 16):                              # 39 and 48 (row, head) pairs a KV group
+        ctx = n_past + T + 8
+        kc = xp.array(rng.standard_normal((Hkv, ctx, D)).astype(np.float32))
+        vc = xp.array((2 * rng.standard_normal((Hkv, ctx, D))).astype(np.float32))
+        tbl = xp.array(np.array([fg.ptr(kc), fg.ptr(vc), ctx], dtype=np.uint64))
+        params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
+        q = xp.array(rng.standard_normal((T, H, D)).astype(np.float32))
+        outs = []
+        for mt in (1, 2):
+            monkeypatch.setattr(fused_gpu, "ATT_TC_MTILES", mt)
+            part_o = xp.full((T, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
+            part_ml = xp.full((T, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
+            op = fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
+                                    tensor_cores=True, decode_kernel=False)
+            op()
+            outs.append((_h(xp, part_o), _h(xp, part_ml), op.grid))
+        assert outs[1][2][2] == -(-outs[0][2][2] // 2), "two m-tiles a block: half the row blocks"
+        assert (outs[0][1][..., 1] > 0).any()
+        assert np.array_equal(outs[1][0], outs[0][0], equal_nan=True), f"{name}: T={T} o of two m-tiles a block"
+        assert np.array_equal(outs[1][1], outs[0][1], equal_nan=True), f"{name}: T={T} (m, l) of two m-tiles a block"
+    monkeypatch.setattr(fused_gpu, "ATT_TC_MTILES", 3)
+    with pytest.raises(ValueError, match="m-tiles"):
+        fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
+                           tensor_cores=True, decode_kernel=False)
 
 
 @pytest.mark.parametrize("n_past", (0, 40, 1100))
