@@ -205,7 +205,7 @@ class EmuDevice:
                 raise RuntimeError(f"emulator: mma_matmul config {defines} is not built")
             lib = self._library("mma_matmul.cu", cfg if (cfg[1] or variant) else None, variant)
             return lib.kernel("mm_tc__{}_{}_{}_{}".format(*cfg))
-        if defines:                     # another source's variant (fused.cu ATT_TC_RING=1, ...): a build of its own
+        if defines:                     # another source's variant (defines an A/B candidate builds with): a build of its own
             return self._library(source, variant=tuple(defines)).kernel(name)
         return self._library(source).kernel(name)
 
