@@ -9,7 +9,8 @@
 # BENCH_ARGS: more bench options for every run (e.g. "--no-profile --widths 1,23,32": shorter runs).
 # An argument def:NAME=VALUE is this checkout with one knob's default changed: a kernel define (the line
 # `#define NAME ...` in kernels/*.cu / *.cuh) or a module constant (`NAME = ...` or `NAME: TYPE = ...` at the
-# start of a line of kernels/*.py or daemons/*.py), which must be there exactly once, e.g.
+# start of a line of kernels/*.py or daemons/*.py), which must be there exactly once (or once in each, for a
+# constant the sources mirror, e.g. ATT_SPLIT_KEYS: both change), e.g.
 #   tests/bench/ab_bench.sh def:MM_WIDE_TRIGGER_AHEAD=-1 def:MM_BARRIER_PIPE=0 \
 #       'def:WIDE_SWIGLU_VARIANT=("MM_GRID=3", "MM_STAGES=3")'
 # Several knobs in one build: join them with '+', e.g. 'def:CHAIN_STEP=2+def:MM_CHAIN_SPREAD=8'.
@@ -43,14 +44,16 @@ for arg in "$@"; do
             name="${spec%%=*}"; value="${spec#*=}"
             n_cu=$(cat "${cu[@]}" | grep -c -x -E "#define $name .*")
             n_py=$(cat "${py[@]}" | grep -c -E "^$name(: [^=]*)? = ")
-            if [ $((n_cu + n_py)) != 1 ]; then
-                echo "ab_bench: $name is not defined exactly once in kernels/ and daemons/ ($((n_cu + n_py)) definitions)" >&2
+            if [ "$n_cu" -gt 1 ] || [ "$n_py" -gt 1 ] || [ $((n_cu + n_py)) = 0 ]; then
+                echo "ab_bench: $name is not defined exactly once in kernels/ and daemons/ ($n_cu #defines, $n_py module constants)" >&2
                 exit 2
             fi
             esc=$(printf '%s' "$value" | sed -e 's/[\\|&]/\\&/g')     # sed's replacement: \ | & literal
+            # a constant mirrored in both (fused.cu's ATT_SPLIT_KEYS and fused_gpu.py's, "the same names"): both
             if [ "$n_cu" = 1 ]; then
                 sed -i -E "s|^#define $name .*\$|#define $name $esc|" "${cu[@]}"
-            else
+            fi
+            if [ "$n_py" = 1 ]; then
                 sed -i -E "s|^($name(: [^=]*)?) = .*\$|\1 = $esc|" "${py[@]}"
             fi
         done
