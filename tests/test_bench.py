@@ -443,6 +443,19 @@ def test_ab_bench_def_builds_set_module_constants(tmp_path):
         ("qwen35_gpu.py", "WIDE_SWIGLU_VARIANT: tuple[str, ...] = ()", f"WIDE_SWIGLU_VARIANT: tuple[str, ...] = {value}")]
 
 
+
+def test_ab_bench_def_builds_change_a_mirrored_constant_in_both(tmp_path):
+    """A constant fused.cu and fused_gpu.py both define ("the same names", e.g. ATT_SPLIT_KEYS: the key
+    splits the kernels walk and the host sizes grids by) changes in both, or the build would launch grids
+    its kernels disagree with."""
+    proc, builds = _ab_bench_builds(tmp_path, "def:ATT_SPLIT_KEYS=64")
+    tree = builds.get("def:ATT_SPLIT_KEYS=64")
+    assert tree, proc.stdout + proc.stderr
+    assert _changed_lines(tree, "kernels", "*.cu") == [("fused.cu", "#define ATT_SPLIT_KEYS 128",
+                                                        "#define ATT_SPLIT_KEYS 64")]
+    assert _changed_lines(tree, "kernels", "*.py") == [("fused_gpu.py", "ATT_SPLIT_KEYS = 128",
+                                                        "ATT_SPLIT_KEYS = 64")]
+
 _FAKE_CUPY = '''
 """A stand-in for cupy with which persist_probe.py's host code runs to its end (nothing is timed)."""
 import types
