@@ -823,8 +823,9 @@ class FusedGpu:
         att_tensor_cores(D)): m-tiles of 16 (row, head) pairs of one KV group with the scores and
         outputs on tensor cores and the keys staged in shared memory (other bits than
         attn_partial_g<R>, so decode and verify must both take it, as they do through this default):
-        attn_partial_tc (ATT_TC_MTILES m-tiles a block on the same staged keys), or for rows that fit one block (T * H / Hkv <= 16: decode; decode_kernel
-        forces either) attn_partial_tcd, the same rows' bits with eight warps. splits: the grid's
+        attn_partial_tc (ATT_TC_MTILES m-tiles a block on the same staged keys), or for rows that fit
+        one m-tile (T * H / Hkv <= 16: decode; decode_kernel forces either) attn_partial_tcd, the same
+        rows' bits with eight warps. splits: the grid's
         splits, at least att_row_splits of the longest row (att_launch_splits; default the family's
         cap, right for any context); attn_combine_prep must scan as many."""
         if D % 8 or D > 256:
