@@ -1025,9 +1025,11 @@ __device__ __forceinline__ void tc_pv_cols(float (&acc)[4], const float* tv, int
     hl_split(v8, v9, bh1, bl1);
     mma3(acc, ph, pl, bh0, bh1, bl0, bl1);
 }
-// Rows of the block and their key ranges in split s (shared by both kernels).
-__device__ __forceinline__ void tc_rows(int p0, int m0, int M, int G, int split_cap, int s, int g, int (&j0r)[2],
-                                        int (&j1r)[2], int& lo, int& hi) {
+// This lane's rows g and g + 8 of the m-tile at m0 and their keys in split s, and the key range
+// [lo, hi) the block walks: the union of its rows mb .. mb + n_rows - 1 (lo from the first, hi from the
+// last; shared by both kernels).
+__device__ __forceinline__ void tc_rows(int p0, int m0, int mb, int n_rows, int M, int G, int split_cap, int s, int g,
+                                        int (&j0r)[2], int (&j1r)[2], int& lo, int& hi) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int m = m0 + g + 8 * i;
@@ -1035,8 +1037,8 @@ __device__ __forceinline__ void tc_rows(int p0, int m0, int M, int G, int split_
         else j0r[i] = j1r[i] = 0;
     }
     int unused;
-    att_split_range(p0 + m0 / G + 1, split_cap, s, lo, unused);
-    att_split_range(p0 + min(M - 1, m0 + ATT_TC_ROWS - 1) / G + 1, split_cap, s, unused, hi);
+    att_split_range(p0 + mb / G + 1, split_cap, s, lo, unused);
+    att_split_range(p0 + min(M - 1, mb + n_rows - 1) / G + 1, split_cap, s, unused, hi);
 }
 // A tile's K and V rows (those below hi) into shared memory, one bulk copy a row, by one warp.
 __device__ __forceinline__ void tc_copy_tile(float* k_dst, float* v_dst, const float* kc, const float* vc, int kb,
@@ -1080,12 +1082,9 @@ __device__ __forceinline__ void attn_partial_tc_impl(ATT_TC_ARGS) {
     const int ctx = (int)tbl[slot + 2];
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
     const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
-    // this lane's rows g and g + 8 of its m-tile and their keys; the block walks the union of its rows'
-    // ranges: lo from its first row, hi from its last
-    int j0r[2], j1r[2], lo, hi, unused;
-    tc_rows(p0, rows_ok ? m0 : mb, M, G, split_cap, s, g, j0r, j1r, unused, unused);
-    att_split_range(p0 + mb / G + 1, split_cap, s, lo, unused);
-    att_split_range(p0 + min(M - 1, mb + MT * ATT_TC_ROWS - 1) / G + 1, split_cap, s, unused, hi);
+    // this lane's rows of its m-tile and their keys; the block walks the union of its MT m-tiles' ranges
+    int j0r[2], j1r[2], lo, hi;
+    tc_rows(p0, rows_ok ? m0 : mb, mb, MT * ATT_TC_ROWS, M, G, split_cap, s, g, j0r, j1r, lo, hi);
     const int n_tiles = hi > lo ? (hi - lo + 15) / 16 : 0;
     auto issue = [&](int i) {   // warp 0: tile i into stage i & 1
         const int kb = lo + 16 * i, st = i & 1;
@@ -1199,7 +1198,7 @@ extern "C" __global__ void __launch_bounds__(ATT_TCD_WARPS * 32) attn_partial_tc
     const float* kc = (const float*)tbl[slot] + (size_t)kvh * ctx * D;
     const float* vc = (const float*)tbl[slot + 1] + (size_t)kvh * ctx * D;
     int j0r[2], j1r[2], lo, hi;
-    tc_rows(p0, m0, M, G, split_cap, s, g, j0r, j1r, lo, hi);
+    tc_rows(p0, m0, m0, ATT_TC_ROWS, M, G, split_cap, s, g, j0r, j1r, lo, hi);
     const int n_tiles = hi > lo ? (hi - lo + 15) / 16 : 0;
     const int n_chunks = (n_tiles + ATT_TCD_CHUNK - 1) / ATT_TCD_CHUNK;
     auto issue = [&](int ci) {  // warp 0: chunk ci into stage ci & 1
