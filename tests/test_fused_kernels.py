@@ -1183,7 +1183,10 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
 def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
     """fused_gpu.ATT_TC_MTILES = 2 (fused.cu attn_partial_tc2): two m-tiles of a KV group's rows a
     block, four warps on the same staged K / V tiles, walking the union of both m-tiles' key ranges,
-    must give every row the bits of one m-tile a block (so verify rows still equal decode steps).
+    must give every row the bits of one m-tile a block (so verify rows still equal decode steps), and
+    so must its variant that splits each staged tile into hi / lo pairs once for the block
+    (ATT_TC_SPLIT_ONCE, attn_partial_tc2s: a V key past the copied rows left stale instead of zero, or
+    a hi / lo pair swapped, changes the bits).
     Bugs it guards: a warp reading the other m-tile's score halves, a tile range cut to the first
     m-tile's rows (the second's last keys never seen), the idle m-tile of an odd count writing rows
     or missing a barrier (a hang). Three m-tiles (39 rows: two blocks, the second half idle) and
@@ -1201,8 +1204,9 @@ def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
         params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
         q = xp.array(rng.standard_normal((T, H, D)).astype(np.float32))
         outs = []
-        for mt in (1, 2):
+        for mt, split_once in ((1, False), (2, False), (2, True)):
             monkeypatch.setattr(fused_gpu, "ATT_TC_MTILES", mt)
+            monkeypatch.setattr(fused_gpu, "ATT_TC_SPLIT_ONCE", split_once)
             part_o = xp.full((T, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
             part_ml = xp.full((T, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
             op = fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
@@ -1213,6 +1217,8 @@ def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
         assert (outs[0][1][..., 1] > 0).any()
         assert np.array_equal(outs[1][0], outs[0][0], equal_nan=True), f"{name}: T={T} o of two m-tiles a block"
         assert np.array_equal(outs[1][1], outs[0][1], equal_nan=True), f"{name}: T={T} (m, l) of two m-tiles a block"
+        assert np.array_equal(outs[2][0], outs[0][0], equal_nan=True), f"{name}: T={T} o, tiles split once a block"
+        assert np.array_equal(outs[2][1], outs[0][1], equal_nan=True), f"{name}: T={T} (m, l), tiles split once"
     monkeypatch.setattr(fused_gpu, "ATT_TC_MTILES", 3)
     with pytest.raises(ValueError, match="m-tiles"):
         fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
