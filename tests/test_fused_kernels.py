@@ -1186,7 +1186,7 @@ def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
     must give every row the bits of one m-tile a block (so verify rows still equal decode steps), and
     so must its variant that splits each staged tile into hi / lo pairs once for the block
     (ATT_TC_SPLIT_ONCE, attn_partial_tc2s: a V key past the copied rows left stale instead of zero, or
-    a hi / lo pair swapped, changes the bits).
+    a lo pair altered, changes the bits).
     Bugs it guards: a warp reading the other m-tile's score halves, a tile range cut to the first
     m-tile's rows (the second's last keys never seen), the idle m-tile of an odd count writing rows
     or missing a barrier (a hang). Three m-tiles (39 rows: two blocks, the second half idle) and
