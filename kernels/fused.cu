@@ -1173,12 +1173,12 @@ __device__ __forceinline__ void attn_partial_tc_impl(ATT_TC_ARGS) {
     const float* ss_other = ss + (2 * mt + (half ^ 1)) * ATT_TC_ROWS * ATT_TC_S_LD;
     for (int i = 0; i < n_tiles; ++i) {
         const int kb = lo + 16 * i, st = i & 1;
-        const float* tk = sk + st * ATT_TC_ROWS * KLD;
-        const float* tv = sv + st * ATT_TC_ROWS * VLD;
+        float* tk = sk + st * ATT_TC_ROWS * KLD;
+        float* tv = sv + st * ATT_TC_ROWS * VLD;
         float sc[2][4];
         if (SPLIT) {            // every warp: the tile split once, seen by all before their scores
             mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
-            tc_split_tile(sk + st * ATT_TC_ROWS * KLD, sv + st * ATT_TC_ROWS * VLD, kb, hi, D, KLD, VLD);
+            tc_split_tile(tk, tv, kb, hi, D, KLD, VLD);
             fence_proxy_async_smem();   // generic writes before the stage's next bulk copy overwrites them
             __syncthreads();
         }
