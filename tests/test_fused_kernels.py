@@ -416,6 +416,18 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
+def test_mm_add_whole_store_keeps_the_bits(dev):
+    """MM_ADD_WHOLE_STORE (an A/B candidate, off): ADD writes a row block wholly inside its stripe with plain
+    stores of the fixed-point values and adds only the row blocks cut between stripes. Into a zero
+    accumulator that is the same integers, so every width's sums must be bit-identical to the build that
+    adds everything. Guards the cut test: a build that stores a cut row block too loses the other part's
+    sums (tried: with `whole` always true this fails)."""
+    name, d, fg = dev
+    for T in (1, 9, 23):
+        add, store = _two_type_add(fg, np.random.default_rng(43 + T), 2048, T, ((), ("MM_ADD_WHOLE_STORE=1",)))
+        assert add.any() and np.array_equal(store, add), f"{name} T={T}: the whole-row-block stores changed bits"
+
+
 def _chain_device(dev, emu_sms: int):
     """The dev fixture for an mm_chain test: (name, device, FusedGpu, xp); on the emulator a FusedGpu that
     counts `emu_sms` multiprocessors, so a chain's grid (four blocks each at most) is small enough for the
