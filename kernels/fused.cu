@@ -937,10 +937,7 @@ __device__ __forceinline__ void tc_load_q(u32 (&qh)[ATT_TC_MAXD / 32][4], u32 (&
         }
 }
 // One half of a tile's scores: sc[nt][e] = row g + 8 (e >> 1), key 8 nt + 2c + (e & 1) of the tile
-// whose K rows are tk (stride KLD), summed over the k-steps ks = half + 2u. SPLIT: the tile's K rows
-// were already split in place (tc_split_tile: each 16-byte piece of four floats holds their hi pairs,
-// then their lo pairs), the same operands as splitting them here.
-template <bool SPLIT = false>
+// whose K rows are tk (stride KLD), summed over the k-steps ks = half + 2u.
 __device__ __forceinline__ void tc_scores_half(float (&sc)[2][4], const float* tk, int KLD, int half, int D,
                                                const u32 (&qh)[ATT_TC_MAXD / 32][4],
                                                const u32 (&ql)[ATT_TC_MAXD / 32][4], int g, int c) {
@@ -952,15 +949,10 @@ __device__ __forceinline__ void tc_scores_half(float (&sc)[2][4], const float* t
         if (ks < D / 16) {
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
+                const float4 kv = *(const float4*)(tk + (8 * nt + g) * KLD + 16 * ks + 4 * c);
                 u32 bh0, bl0, bh1, bl1;
-                if (SPLIT) {
-                    const uint4 kw = *(const uint4*)(tk + (8 * nt + g) * KLD + 16 * ks + 4 * c);
-                    bh0 = kw.x; bh1 = kw.y; bl0 = kw.z; bl1 = kw.w;
-                } else {
-                    const float4 kv = *(const float4*)(tk + (8 * nt + g) * KLD + 16 * ks + 4 * c);
-                    hl_split(kv.x, kv.y, bh0, bl0);
-                    hl_split(kv.z, kv.w, bh1, bl1);
-                }
+                hl_split(kv.x, kv.y, bh0, bl0);
+                hl_split(kv.z, kv.w, bh1, bl1);
                 mma3(sc[nt], qh[u], ql[u], bh0, bh1, bl0, bl1);
             }
         }
@@ -1016,67 +1008,22 @@ __device__ __forceinline__ void tc_softmax_tile(float (&sc)[2][4], int kb, const
     hl_split(p[1][2], p[1][3], ph[3], pl[3]);
 }
 // O's column tile at dims dcol.. (8 wide) += P V for the tile whose V rows are tv (stride VLD), keys
-// kb + 2c, +1, +8, +9 read as 0 from hi on (not copied). SPLIT: the tile's V rows were split in place
-// (tc_split_tile: row 2j holds the hi pairs of keys 2j, 2j + 1, row 2j + 1 their lo pairs, zeros past hi).
-template <bool SPLIT = false>
+// kb + 2c, +1, +8, +9 read as 0 from hi on (not copied).
 __device__ __forceinline__ void tc_pv_cols(float (&acc)[4], const float* tv, int VLD, int dcol, int kb, int hi,
                                            int g, int c, const float (&corr)[2], const u32 (&ph)[4],
                                            const u32 (&pl)[4]) {
     const int r0 = 2 * c;
-    auto rescale = [&]() {
-        acc[0] *= corr[0];
-        acc[1] *= corr[0];
-        acc[2] *= corr[1];
-        acc[3] *= corr[1];
-    };
+    const float* vcol = tv + dcol + g;
+    const float v0 = kb + r0 < hi ? vcol[r0 * VLD] : 0.0f, v1 = kb + r0 + 1 < hi ? vcol[(r0 + 1) * VLD] : 0.0f;
+    const float v8 = kb + r0 + 8 < hi ? vcol[(r0 + 8) * VLD] : 0.0f, v9 = kb + r0 + 9 < hi ? vcol[(r0 + 9) * VLD] : 0.0f;
+    acc[0] *= corr[0];
+    acc[1] *= corr[0];
+    acc[2] *= corr[1];
+    acc[3] *= corr[1];
     u32 bh0, bl0, bh1, bl1;
-    if (SPLIT) {
-        const u32* vcol = (const u32*)tv + dcol + g;
-        bh0 = vcol[r0 * VLD];
-        bl0 = vcol[(r0 + 1) * VLD];
-        bh1 = vcol[(r0 + 8) * VLD];
-        bl1 = vcol[(r0 + 9) * VLD];
-        rescale();
-    } else {
-        const float* vcol = tv + dcol + g;
-        const float v0 = kb + r0 < hi ? vcol[r0 * VLD] : 0.0f, v1 = kb + r0 + 1 < hi ? vcol[(r0 + 1) * VLD] : 0.0f;
-        const float v8 = kb + r0 + 8 < hi ? vcol[(r0 + 8) * VLD] : 0.0f;
-        const float v9 = kb + r0 + 9 < hi ? vcol[(r0 + 9) * VLD] : 0.0f;
-        rescale();
-        hl_split(v0, v1, bh0, bl0);
-        hl_split(v8, v9, bh1, bl1);
-    }
+    hl_split(v0, v1, bh0, bl0);
+    hl_split(v8, v9, bh1, bl1);
     mma3(acc, ph, pl, bh0, bh1, bl0, bl1);
-}
-// A staged tile's K and V rows split into f16 hi / lo pairs in place by the block's threads, once for
-// all its warps (attn_partial_tc2s: otherwise each m-tile's warps split the same tile): each K piece of
-// four floats becomes (hi(x, y), hi(z, w), lo(x, y), lo(z, w)), the fragments tc_scores_half<true>
-// reads; V rows 2j and 2j + 1 become the hi and lo pairs of keys (2j, 2j + 1) at each dim, V past hi
-// as zeros (keys not copied), the fragments tc_pv_cols<true> reads. hl_split of the same values: the
-// same MMA operands, so the same bits.
-__device__ __forceinline__ void tc_split_tile(float* tk, float* tv, int kb, int hi, int D, int KLD, int VLD) {
-    const int DQ = D / 4;
-    for (int e = threadIdx.x; e < ATT_TC_ROWS * DQ; e += blockDim.x) {
-        const int r = e / DQ, d = 4 * (e - r * DQ);
-        const float4 kv = *(const float4*)(tk + r * KLD + d);
-        uint4 kw;
-        hl_split(kv.x, kv.y, kw.x, kw.z);
-        hl_split(kv.z, kv.w, kw.y, kw.w);
-        *(uint4*)(tk + r * KLD + d) = kw;
-    }
-    for (int e = threadIdx.x; e < ATT_TC_ROWS / 2 * DQ; e += blockDim.x) {
-        const int j = e / DQ, d = 4 * (e - j * DQ), r0 = 2 * j;
-        const float4 z4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        const float4 a = kb + r0 < hi ? *(const float4*)(tv + r0 * VLD + d) : z4;
-        const float4 b = kb + r0 + 1 < hi ? *(const float4*)(tv + (r0 + 1) * VLD + d) : z4;
-        uint4 h, l;
-        hl_split(a.x, b.x, h.x, l.x);
-        hl_split(a.y, b.y, h.y, l.y);
-        hl_split(a.z, b.z, h.z, l.z);
-        hl_split(a.w, b.w, h.w, l.w);
-        *(uint4*)(tv + r0 * VLD + d) = h;
-        *(uint4*)(tv + (r0 + 1) * VLD + d) = l;
-    }
 }
 // This lane's rows g and g + 8 of the m-tile at m0 and their keys in split s, and the key range
 // [lo, hi) the block walks: the union of its rows mb .. mb + n_rows - 1 (lo from the first, hi from the
@@ -1116,9 +1063,7 @@ __device__ __forceinline__ unsigned tc_tile_bytes(int kb, int hi, int D) {
 // start on multiples of 16 either way, and a tile wholly outside a row's range leaves its state as it
 // was), so a row's operations and bits do not depend on MT: decode (attn_partial_tcd) and verify rows
 // agree whichever MT verify takes. Warps of an m-tile past the rows only take part in the barriers.
-// SPLIT: the block splits each staged tile into f16 hi / lo pairs once (tc_split_tile), where otherwise
-// each m-tile's two warps split the K and V halves they read (the same operands either way).
-template <int MT, bool SPLIT = false>
+template <int MT>
 __device__ __forceinline__ void attn_partial_tc_impl(ATT_TC_ARGS) {
     __shared__ __align__(8) unsigned long long s_full[2];
     // K [2][16][D + 16], V [2][16][D + 4], score halves [MT][2][16][ATT_TC_S_LD]
@@ -1173,18 +1118,12 @@ __device__ __forceinline__ void attn_partial_tc_impl(ATT_TC_ARGS) {
     const float* ss_other = ss + (2 * mt + (half ^ 1)) * ATT_TC_ROWS * ATT_TC_S_LD;
     for (int i = 0; i < n_tiles; ++i) {
         const int kb = lo + 16 * i, st = i & 1;
-        float* tk = sk + st * ATT_TC_ROWS * KLD;
-        float* tv = sv + st * ATT_TC_ROWS * VLD;
+        const float* tk = sk + st * ATT_TC_ROWS * KLD;
+        const float* tv = sv + st * ATT_TC_ROWS * VLD;
         float sc[2][4];
-        if (SPLIT) {            // every warp: the tile split once, seen by all before their scores
-            mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
-            tc_split_tile(tk, tv, kb, hi, D, KLD, VLD);
-            fence_proxy_async_smem();   // generic writes before the stage's next bulk copy overwrites them
-            __syncthreads();
-        }
         if (rows_ok) {
-            if (!SPLIT) mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
-            tc_scores_half<SPLIT>(sc, tk, KLD, half, D, qh, ql, g, c);
+            mbar_wait(&s_full[st], (unsigned)(i >> 1) & 1u);
+            tc_scores_half(sc, tk, KLD, half, D, qh, ql, g, c);
             tc_store_half(ss_mine, sc, g, c);
         }
         __syncthreads();
@@ -1199,7 +1138,7 @@ __device__ __forceinline__ void attn_partial_tc_impl(ATT_TC_ARGS) {
             tc_softmax_tile(sc, kb, j0r, j1r, scale, c, mrow, lrow, corr, ph, pl);
 #pragma unroll
             for (int j = 0; j < ATT_TC_MAXD / 16; ++j)
-                if (j < NJ) tc_pv_cols<SPLIT>(acc[j], tv, VLD, d0 + 8 * j, kb, hi, g, c, corr, ph, pl);
+                if (j < NJ) tc_pv_cols(acc[j], tv, VLD, d0 + 8 * j, kb, hi, g, c, corr, ph, pl);
         }
         __syncthreads();        // every warp is done with the stage and the score halves
         if (warp == 0 && i + 2 < n_tiles) issue(i + 2);
@@ -1230,9 +1169,6 @@ extern "C" __global__ void __launch_bounds__(64) attn_partial_tc(ATT_TC_ARGS) { 
 #define ATT_TC2_MIN_BLOCKS 2
 extern "C" __global__ void __launch_bounds__(128, ATT_TC2_MIN_BLOCKS) attn_partial_tc2(ATT_TC_ARGS) { TL_SCOPE;
     attn_partial_tc_impl<2>(q, params, tbl, slot, part_o, part_ml, H, Hkv, D, split_cap, scale, T); }
-// Two m-tiles, each tile split into hi / lo pairs once by the block (fused_gpu.ATT_TC_SPLIT_ONCE).
-extern "C" __global__ void __launch_bounds__(128, ATT_TC2_MIN_BLOCKS) attn_partial_tc2s(ATT_TC_ARGS) { TL_SCOPE;
-    attn_partial_tc_impl<2, true>(q, params, tbl, slot, part_o, part_ml, H, Hkv, D, split_cap, scale, T); }
 
 // attn_partial_tcd: attn_partial_tc's rows computed with more warps, for launches whose rows fit one
 // m-tile (T * G <= 16: decode), where the verify kernel's two warps walk the split's tiles alone

@@ -111,12 +111,6 @@ ATT_TC_S_LD = 24                    # fused.cu ATT_TC_S_LD: the score halves' ro
 # graph W=23 -0.16 to -0.18 ms at 512 keys and -0.23 at 2048, W=32 -0.03 / -0.51, W=8 and W=16 +0.03 to
 # +0.05 at 512 keys (their blocks fit one wave either way) but W=16 -0.30 at 2048; decode unchanged.
 ATT_TC_MTILES = 2
-# Two m-tiles a block: the block splits each staged K / V tile into f16 hi / lo pairs once, in shared
-# memory (fused.cu attn_partial_tc2s), where otherwise each m-tile's warps split the halves they read, so
-# every tile is split twice (about half of a warp's instructions a tile). The same operands, so the
-# same bits; one more block barrier a tile. Not yet measured on a GPU (forty-fifth session): an A/B
-# candidate, `tests/bench/ab_bench.sh def:ATT_TC_SPLIT_ONCE=True`.
-ATT_TC_SPLIT_ONCE = False
 ATT_TCD_CHUNK = 2                   # fused.cu ATT_TCD_CHUNK: tiles a stage of attn_partial_tcd holds
 PREP_COLS = 256                     # columns per block of the act16-writing kernels (fused.cu)
 PREP_SMEM_CLUSTER = (1024 + 8 * 4 + 4) * 4   # fused.cu PREP_SMEM_CLUSTER
@@ -860,8 +854,7 @@ class FusedGpu:
             mt = ATT_TC_MTILES
             if mt not in (1, 2):
                 raise ValueError(f"{label}: attn_partial_tc takes 1 or 2 m-tiles a block, not {mt}")
-            kern = self._k("fused.cu", "attn_partial_tc" if mt == 1 else "attn_partial_tc2s" if ATT_TC_SPLIT_ONCE
-                           else f"attn_partial_tc{mt}")
+            kern = self._k("fused.cu", "attn_partial_tc" if mt == 1 else f"attn_partial_tc{mt}")
             smem = 4 * 16 * (2 * (D + 16) + 2 * (D + 4) + 2 * mt * ATT_TC_S_LD)   # fused.cu: K, V stages, score halves
             self._smem(kern, smem)
             return Op(label, kern, (splits, Hkv, -(-M // (16 * mt))), (64 * mt,), args, smem)

@@ -651,12 +651,6 @@ __device__ __noinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int 
     }
 }
 
-// MM_ADD_WHOLE_STORE (an A/B candidate, off): ADD writes a row block wholly inside its stripe with plain
-// stores of the fixed-point values (tc_common.cuh st_fixed) and adds only the cut ones, so that a wide
-// launch's L2 does ~T x 64 read-modify-writes less a row block (the same integers: the same bits).
-#ifndef MM_ADD_WHOLE_STORE
-#define MM_ADD_WHOLE_STORE 0
-#endif
 // A row block wholly inside this stripe: STORE / ADD straight from the MMA fragments (no barrier);
 // SwiGLU through shared memory (gate and up rows sit in different warps). IN_STAGE: sres is the
 // pipeline stage the row block's last superblock was read from, which other warps may still be
@@ -664,7 +658,7 @@ __device__ __noinline__ void mm_swiglu_epilogue(const float* sres, int lrb, int 
 template <int NT, int MODE, bool IN_STAGE>
 __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], const MmSeg* s_segs, int seg, int lrb, int warp,
                                                  int lane, int T, float* sres, u16* __restrict__ out16,
-                                                 u16* __restrict__ outxs, bool whole = false) {
+                                                 u16* __restrict__ outxs) {
     const int g = lane >> 2, c = lane & 3;
     if (MODE != MODE_SWIGLU) {
         if (warp >= 4) return;                   // the issuer warp holds no tile
@@ -676,9 +670,7 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
                 const int tok = nt * 8 + 2 * c + (i & 1);
                 const int row = lrb * 64 + warp * 16 + g + 8 * (i >> 1);
                 if (tok < T && row < sg.n_rows) {
-                    long long* y64 = (long long*)sg.y + (size_t)tok * sg.ldy + row;
-                    if (MODE == MODE_ADD && MM_ADD_WHOLE_STORE && whole) st_fixed(y64, acc[nt][i]);
-                    else if (MODE == MODE_ADD) red_add_fixed(y64, acc[nt][i]);
+                    if (MODE == MODE_ADD) red_add_fixed((long long*)sg.y + (size_t)tok * sg.ldy + row, acc[nt][i]);
                     else ((float*)sg.y)[(size_t)tok * sg.ldy + row] = acc[nt][i];
                 }
             }
@@ -1424,8 +1416,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #endif
         const bool is_head = rb * n_sb < f0, is_tail = (rb + 1) * n_sb > f1;
         if (MODE == MODE_ADD) {                  // every part adds its own sums (fixed point): no exchange
-            mm_epilogue_regs<NT, MODE, SRES_IN_STAGE>(acc, s_segs, seg, lrb, warp, lane, T, res_rows(k_last), out16, outxs,
-                                                      !is_head && !is_tail);
+            mm_epilogue_regs<NT, MODE, SRES_IN_STAGE>(acc, s_segs, seg, lrb, warp, lane, T, res_rows(k_last), out16, outxs);
         } else if (is_tail) {
             tail_rb = rb;                        // the stripe's last superblock: exchanged after the loop
         } else if (is_head) {

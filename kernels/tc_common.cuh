@@ -189,18 +189,6 @@ __device__ __forceinline__ void red_add_fixed(long long* p, float v) {
     asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(q) : "memory");
 }
 #endif
-// A part that holds a whole row (no other part adds into it, and the accumulator is zero before the
-// launch: the fold or the next layer's reader clears it) may write its value instead of adding it:
-// the same integer, so the same bits (mma_matmul.cu MM_ADD_WHOLE_STORE).
-#if defined(DFLASH_EMU)
-inline void st_fixed(long long* p, float v) {
-    *p = std::isfinite(v) ? (long long)std::llrint((double)(v * FIXED_ONE)) : FIXED_POISON;
-}
-#else
-__device__ __forceinline__ void st_fixed(long long* p, float v) {
-    *p = isfinite(v) ? __float2ll_rn(v * FIXED_ONE) : FIXED_POISON;
-}
-#endif
 __device__ __forceinline__ float fixed_to_float(long long a) {
     return (a >= FIXED_LIMIT || a <= -FIXED_LIMIT) ? __int_as_float(0x7fc00000) : (float)((double)a * (1.0 / FIXED_ONE));
 }

@@ -416,18 +416,6 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
-def test_mm_add_whole_store_keeps_the_bits(dev):
-    """MM_ADD_WHOLE_STORE (an A/B candidate, off): ADD writes a row block wholly inside its stripe with plain
-    stores of the fixed-point values and adds only the row blocks cut between stripes. Into a zero
-    accumulator that is the same integers, so every width's sums must be bit-identical to the build that
-    adds everything. Guards the cut test: a build that stores a cut row block too loses the other part's
-    sums (tried: with `whole` always true this fails)."""
-    name, d, fg = dev
-    for T in (1, 9, 23):
-        add, store = _two_type_add(fg, np.random.default_rng(43 + T), 2048, T, ((), ("MM_ADD_WHOLE_STORE=1",)))
-        assert add.any() and np.array_equal(store, add), f"{name} T={T}: the whole-row-block stores changed bits"
-
-
 def _chain_device(dev, emu_sms: int):
     """The dev fixture for an mm_chain test: (name, device, FusedGpu, xp); on the emulator a FusedGpu that
     counts `emu_sms` multiprocessors, so a chain's grid (four blocks each at most) is small enough for the
@@ -1195,10 +1183,7 @@ def test_attention_tensor_cores_rows_do_not_depend_on_the_batch(dev, n_past):
 def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
     """fused_gpu.ATT_TC_MTILES = 2 (fused.cu attn_partial_tc2): two m-tiles of a KV group's rows a
     block, four warps on the same staged K / V tiles, walking the union of both m-tiles' key ranges,
-    must give every row the bits of one m-tile a block (so verify rows still equal decode steps), and
-    so must its variant that splits each staged tile into hi / lo pairs once for the block
-    (ATT_TC_SPLIT_ONCE, attn_partial_tc2s: a V key past the copied rows left stale instead of zero, or
-    a lo pair altered, changes the bits).
+    must give every row the bits of one m-tile a block (so verify rows still equal decode steps).
     Bugs it guards: a warp reading the other m-tile's score halves, a tile range cut to the first
     m-tile's rows (the second's last keys never seen), the idle m-tile of an odd count writing rows
     or missing a barrier (a hang). Three m-tiles (39 rows: two blocks, the second half idle) and
@@ -1216,9 +1201,8 @@ def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
         params = xp.array(np.array([n_past, 0] + [0] * 32, dtype=np.int32))
         q = xp.array(rng.standard_normal((T, H, D)).astype(np.float32))
         outs = []
-        for mt, split_once in ((1, False), (2, False), (2, True)):
+        for mt in (1, 2):
             monkeypatch.setattr(fused_gpu, "ATT_TC_MTILES", mt)
-            monkeypatch.setattr(fused_gpu, "ATT_TC_SPLIT_ONCE", split_once)
             part_o = xp.full((T, H, ATT_MAX_SPLITS, D), np.nan, dtype=xp.float32)
             part_ml = xp.full((T, H, ATT_MAX_SPLITS, 2), np.nan, dtype=xp.float32)
             op = fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
@@ -1229,8 +1213,6 @@ def test_attention_tc_two_mtiles_keep_the_bits(dev, n_past, monkeypatch):
         assert (outs[0][1][..., 1] > 0).any()
         assert np.array_equal(outs[1][0], outs[0][0], equal_nan=True), f"{name}: T={T} o of two m-tiles a block"
         assert np.array_equal(outs[1][1], outs[0][1], equal_nan=True), f"{name}: T={T} (m, l) of two m-tiles a block"
-        assert np.array_equal(outs[2][0], outs[0][0], equal_nan=True), f"{name}: T={T} o, tiles split once a block"
-        assert np.array_equal(outs[2][1], outs[0][1], equal_nan=True), f"{name}: T={T} (m, l), tiles split once"
     monkeypatch.setattr(fused_gpu, "ATT_TC_MTILES", 3)
     with pytest.raises(ValueError, match="m-tiles"):
         fg.op_attn_partial("p", q, params, tbl, 0, part_o, part_ml, H, Hkv, D, 1.0 / np.sqrt(D), T,
