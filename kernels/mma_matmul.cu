@@ -950,23 +950,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #ifndef MM_BARRIER_PIPE
 #define MM_BARRIER_PIPE 1
 #endif
-    // MM_LAST_ISSUES (wide launches of 2-3 column tiles): no block barrier a stage and no fixed issuer.
-    // Each computing warp releases a stage as before and counts its release in a shared counter; the
-    // warp that releases it last (the fourth) refills it at once with the superblock n_stages further
-    // on. Why: ncu of gate|up at T = 23 (H200, forty-seventh session) puts 15% of the warps' stall
-    // samples on the stage barrier, where three warps wait each stage for warp 0's issue (~110
-    // instructions) and for whichever warp ran slowest; here no warp waits for another except
-    // through the data it needs. The same arithmetic in the same order, so the same bits.
-#ifndef MM_LAST_ISSUES
-#define MM_LAST_ISSUES 0
-#endif
-    constexpr bool LAST_ISSUES = MM_LAST_ISSUES && !SEPARATE && !SRES_IN_STAGE && !CHAIN && NT > 1;
-    constexpr bool BARRIER_PIPE = !SEPARATE && MM_BARRIER_PIPE && !LAST_ISSUES;
+    constexpr bool BARRIER_PIPE = !SEPARATE && MM_BARRIER_PIPE;
     static_assert(!SRES_IN_STAGE || BARRIER_PIPE, "result rows in a stage need the block-barrier pipeline");
     __shared__ MmSeg s_segs_[4];
     __shared__ __align__(8) unsigned long long s_full_[8];
     __shared__ __align__(8) unsigned long long s_empty_[8];
-    __shared__ int s_rel[LAST_ISSUES ? 8 : 1];   // LAST_ISSUES: releases counted a stage slot (four a round)
     auto& s_segs = mm_chain_or<CHAIN>(s_segs_, CHAIN ? (warp == ISSUER ? ch->segs_i : ch->segs_c) : nullptr);
     auto& s_full = mm_chain_or<CHAIN>(s_full_, CHAIN ? ch->full : nullptr);
     auto& s_empty = mm_chain_or<CHAIN>(s_empty_, CHAIN ? ch->empty : nullptr);
@@ -984,7 +972,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             for (int k = 0; k < n_stages; ++k) {
                 mbar_init(&s_full[k], 1);
                 mbar_init(&s_empty[k], 4);       // the four computing warps
-                if (LAST_ISSUES) s_rel[k] = 0;
             }
         if (TAIL_PREF && tid == 0) {
             mbar_init(&s_pref_bar[0], 1);
@@ -1033,41 +1020,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             stage_copy(st + G::A_BYTES, xs + (size_t)sb * ACT_SB + (ACT_ROWS - n_rows_b) * 16, b_bytes, &s_full[k], lane);
         else
             stage_copy(st + G::A_BYTES, x16 + (size_t)sb * ACT_SB, b_bytes, &s_full[k], lane);
-    };
-    // LAST_ISSUES: superblock f's slot k, just released by every computing warp (this one last), takes
-    // superblock f + n_stages (row block rbf holds f): its units and rows, as issue_w and issue_x do
-    // for the issuer's cursor. The other warps' releases are acquired through the empty barrier
-    // (all four have arrived, so the wait passes at once).
-    auto refill_after = [&](int f, int rbf, int kk, unsigned ph) {
-        const int fn = f + n_stages;
-        if (fn < f1) {
-            mbar_wait(bar_at(bar_ref(&s_empty[0]), kk), ph);
-            int rbn = rbf, sbn = f - rbf * n_sb + n_stages;
-            while (sbn >= n_sb) { sbn -= n_sb; ++rbn; }
-            int sgn, lrn;
-            rb_locate<MODE>(s_segs, n_segs, rbn, sgn, lrn);
-            const unsigned char* src[RUNS];
-            unsigned nb[RUNS];
-            unsigned bytes = b_bytes;
-#pragma unroll
-            for (int r = 0; r < RUNS; ++r) {
-                int s, tile;
-                slot_tile<MODE>(sgn, lrn, r * RUN_TILES, s, tile);
-                const int n = min(RUN_TILES, s_segs[s].n_tiles - tile);
-                nb[r] = n > 0 ? (unsigned)((n + 1) & ~1) * UNIT : 0u;
-                bytes += nb[r];
-                src[r] = (const unsigned char*)s_segs[s].w + unit_index(tile, sbn, n_sb) * UNIT;
-            }
-            unsigned char* st = smem + kk * STAGE;
-            if (lane == 0) mbar_expect(&s_full[kk], bytes);
-            warp_sync();
-#pragma unroll
-            for (int r = 0; r < RUNS; ++r)
-                if (nb[r]) stage_copy(st + r * RUN_TILES * UNIT, src[r], nb[r], &s_full[kk], lane);
-            issue_x(kk, sbn);
-        }
-        // (the stripe's last superblock issued: the next launch may start; repeats are no-ops)
-        if (MM_WIDE_TRIGGER_AHEAD >= 0 && fn >= f1 - 1 - MM_WIDE_TRIGGER_AHEAD) trigger_dependents();
     };
     auto advance = [&]() {
         ++i_f;
@@ -1385,12 +1337,6 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
     };
-    // LAST_ISSUES: this warp's release of superblock f's stage counted; the fourth release refills it.
-    auto count_release = [&](int f) {
-        int last = 0;
-        if (lane == 0) last = (atomicAdd(&s_rel[k], 1) & 3) == 3;
-        if ((int)shfl((u32)last, 0)) refill_after(f, rb, k, phase);
-    };
     // Superblock f in stage k: wait for it, add its products to acc, release the stage.
     auto run_stage = [&](int f) {
         // Warp 0 as the issuer refills the stage of superblock f - 1 (never f's own: it would wait
@@ -1398,7 +1344,7 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
         if (BARRIER_PIPE) {
             __syncthreads();                     // everyone is done with the stage refilled below
             if (warp == ISSUER && i_f < f1) issue_next();
-        } else if (!SEPARATE && !LAST_ISSUES && warp == ISSUER && f > f0 && i_f < f1) {
+        } else if (!SEPARATE && warp == ISSUER && f > f0 && i_f < f1) {
             issue_next();
         }
         if (MM_WIDE_TRIGGER_AHEAD >= 0 && !SEPARATE && warp == ISSUER && i_f >= f1 - MM_WIDE_TRIGGER_AHEAD)
@@ -1441,19 +1387,16 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
             // in the other).
             warp_sync();                         // every lane's reads of the stage are done
             if (lane == 0) mbar_arrive(bar_at(empty0, k));
-            if constexpr (LAST_ISSUES) count_release(f);
             ST_MARK(st_rec, f - f0, 3);
             add_superblock(un, tm, bm);
         } else {                                 // an idle slot (a tile past its matrix's end)
             warp_sync();
             if (lane == 0) mbar_arrive(bar_at(empty0, k));
-            if constexpr (LAST_ISSUES) count_release(f);
         }
 #endif
 #ifdef MM_NO_COMPUTE
         warp_sync();
         if (lane == 0) mbar_arrive(bar_at(empty0, k));
-        if constexpr (LAST_ISSUES) count_release(f);
         ST_MARK(st_rec, f - f0, 3);
 #endif
     };

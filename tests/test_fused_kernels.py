@@ -276,40 +276,6 @@ def test_mm_software_pipeline_equals_tma(dev, variant):
                 assert np.array_equal(got[0], got[1]), f"type {qtype} T={T} mode {mode}: {variant} differs from TMA"
 
 
-@pytest.mark.parametrize("qtype", (QT_Q4_K, QT_Q6_K))
-def test_mm_last_issues_equals_the_barrier_pipeline(dev, qtype):
-    """mma_matmul.cu's MM_LAST_ISSUES: a wide launch (2-3 column tiles) without the stage barrier, each
-    stage refilled by the warp that releases it last instead of by warp 0 behind a block barrier. Who
-    fills a stage and when must not change a bit: every mode, 9, 16 and 23 rows, stripes of one row
-    block and of several, blocks in either order on the emulator. The bug it guards: a refill of the
-    wrong superblock (its row block or superblock counted from the wrong stage) or into a stage a
-    warp still reads, which sums other weights or rows into the result."""
-    name, d, fg = dev
-    xp = fg.xp
-    rng = np.random.default_rng(29)
-    shapes = ((256, 1280), (64, 4096)) if name == "emu" else ((1000, 2048), (3000, 5120))
-    orders = (False, True) if name == "emu" else (False,)
-    try:
-        for n_out, n_in in shapes:
-            raw_g, raw_u = _scaled_raw(qtype, n_out, n_in, rng), _scaled_raw(qtype, n_out, n_in, rng)
-            wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
-            ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
-            for T in (9, 16, 23):
-                act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
-                base = rng.standard_normal((T, n_out)).astype(np.float32)
-                for mode in (MODE_STORE, MODE_ADD, MODE_SWIGLU):
-                    ref = _mm_run(fg, mode, wg, wu, act, T, ws, (), base)[0]
-                    for reverse in orders:
-                        if name == "emu":
-                            d.block_order(reverse)
-                        got = _mm_run(fg, mode, wg, wu, act, T, ws, ("MM_LAST_ISSUES=1",), base)[0]
-                        assert np.array_equal(got, ref, equal_nan=True), \
-                            f"{name} {n_out}x{n_in} T={T} mode {mode} reverse={reverse}: MM_LAST_ISSUES changed bits"
-    finally:
-        if name == "emu":
-            d.block_order(False)
-
-
 def test_mm_cut_row_blocks_sum_alike_in_either_arrival_order(dev):
     """A row block cut between stripes is summed by whichever of its parts arrives last: the
     stripe ending on it (at its end), or the stripe starting on it (whose early arrival turns out
