@@ -126,6 +126,10 @@ MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 # are constants (the second halves of the staged rows 256 bytes on), the same arithmetic. ab_bench.sh
 # def:ONE_ROW_BUILD=False times the general build at T = 1.
 ONE_ROW_BUILD = True
+# Launches of more than 8 rows (verify widths) use a build for their exact row count (mma_matmul.cu
+# MM_T_CONST): the same arithmetic with the stage's offsets constant. An A/B candidate (GPU_NOTES,
+# forty-seventh session): def:WIDE_T_CONST=True.
+WIDE_T_CONST = False
 
 
 PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
@@ -525,6 +529,8 @@ class FusedGpu:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         if ONE_ROW_BUILD and T == 1 and "MM_ONE_ROW=1" not in variant:
             variant = tuple(variant) + ("MM_ONE_ROW=1",)
+        if WIDE_T_CONST and T > 8 and not any(v.startswith("MM_T_CONST=") for v in variant):
+            variant = tuple(variant) + (f"MM_T_CONST={T}",)
         second = (f"MM_QT2={types[1]}",) if len(types) > 1 else ()
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}",) + second + (f"MM_NT={nt}", f"MM_MODE={mode}")
                        + tuple(variant))

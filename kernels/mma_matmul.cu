@@ -695,6 +695,15 @@ __device__ __forceinline__ void mm_epilogue_regs(const float (&acc)[NT][4], cons
 #ifndef MM_ONE_ROW
 #define MM_ONE_ROW 0
 #endif
+// MM_T_CONST = N: a build for launches of exactly N rows (fused_gpu.WIDE_T_CONST: each verify width of
+// more than 8 rows gets its own), as MM_ONE_ROW is for one: the stage's size and depth, the rows' offsets
+// and the second halves' offset (x_half) are constants, folded into the loads' immediates instead of
+// added each stage (at T = 23 a stage of a computing warp is ~475 instructions at ~0.5 issued a cycle a
+// scheduler, so its time follows its count: GPU_NOTES, forty-seventh session). The same arithmetic, so
+// the same bits as the general build.
+#ifndef MM_T_CONST
+#define MM_T_CONST 0
+#endif
 // A block of mm_chain (below: the products of a chain as phases of one persistent launch) carries its
 // pipeline from one product to the next: the stage ring (barriers and both cursors) and the small state
 // a launch keeps in static shared memory, here in the chain's dynamic shared memory (the emulator runs
@@ -873,11 +882,11 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     __shared__ int s_pref[1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     static_assert(!MM_ONE_ROW || NT == 1, "a one-row build is a build of one column tile");
-    const int T = MM_ONE_ROW ? 1 : T_launch;
+    const int T = MM_ONE_ROW ? 1 : (MM_T_CONST > 0 ? MM_T_CONST : T_launch);
     const int n_rows_b = min(T, NT * 8);         // activation rows staged (only the real ones)
-    const int STAGE = CHAIN ? ch->stage : keep_reg(G::stage(n_rows_b));
+    const int STAGE = CHAIN ? ch->stage : (MM_T_CONST > 0 ? G::stage(n_rows_b) : keep_reg(G::stage(n_rows_b)));
     const int n_stages = CHAIN ? ch->n_stages : G::stages(n_rows_b);
-    const int X_OFF = keep_reg(G::x_off(n_rows_b));
+    const int X_OFF = MM_T_CONST > 0 ? G::x_off(n_rows_b) : keep_reg(G::x_off(n_rows_b));
     int brow[NT];                                // MMA columns past T read the last real row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) brow[nt] = min(nt * 8 + g, n_rows_b - 1);
@@ -1122,7 +1131,8 @@ __device__ __forceinline__ void mm_tc_impl(const MmSeg* __restrict__ segs, int n
     // x_half: where the staged rows' second halves start (after the T first halves).
     const int w_off = keep_reg((warp >> 1) * 2 * UNIT + (warp & 1) * G::H0);
     const int w_off1 = keep_reg((warp >> 1) * 2 * UNIT + 2 * G::H0 + (warp & 1) * G::H1);
-    const int x_half = MM_ONE_ROW ? MM_B_ROW : keep_reg(n_rows_b * MM_B_ROW);
+    const int x_half = MM_ONE_ROW ? MM_B_ROW
+                                  : (MM_T_CONST > 0 ? n_rows_b * MM_B_ROW : keep_reg(n_rows_b * MM_B_ROW));
     int seg = 0, lrb = 0, s_w = 0, tile_w = 0;
     bool ok = false;
     int tail_rb = -1;                            // the stripe's last row block, when a later stripe ends it

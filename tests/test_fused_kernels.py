@@ -416,6 +416,34 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
     assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's one-row build differs"
 
 
+def test_mm_fixed_width_build_equals_the_general_build(dev, monkeypatch):
+    """Verify widths over 8 rows may run mma_matmul.cu's MM_T_CONST build (fused_gpu.WIDE_T_CONST: the
+    launch's row count a constant, so the stage's offsets fold into the loads): every output bit-identical
+    to the general build, in every epilogue, with cut row blocks, at 2, 3 and 4 column tiles."""
+    from kernels import fused_gpu
+    name, d, fg = dev
+    xp = fg.xp
+    rng = np.random.default_rng(43)
+    n_out, n_in = 832, 1280
+    for qtype in (QT_Q4_K, QT_Q6_K):
+        raw_g, raw_u = _scaled_raw(qtype, n_out, n_in, rng), _scaled_raw(qtype, n_out, n_in, rng)
+        wg, wu = fg.repack("g", qtype, n_out, n_in, raw_g), fg.repack("u", qtype, n_out, n_in, raw_u)
+        ws = MmWorkspace(xp, *fg.workspace_need([wg, wu], MODE_SWIGLU))
+        for T in ((16, 23) if name == "emu" else (9, 16, 23, 32)):
+            act, _ = _act(fg, rng.standard_normal((T, n_in)).astype(np.float32), n_in)
+            base = rng.standard_normal((T, n_out)).astype(np.float32)
+            for mode in (MODE_STORE, MODE_ADD, MODE_SWIGLU):
+                got, kernels = [], []
+                for fixed in (True, False):
+                    monkeypatch.setattr(fused_gpu, "WIDE_T_CONST", fixed)
+                    out, op = _mm_run(fg, mode, wg, wu, act, T, ws, (), base)
+                    got.append(out)
+                    kernels.append(op.kernel)
+                assert kernels[0] is not kernels[1]              # two builds
+                assert np.array_equal(got[0], got[1], equal_nan=True), \
+                    f"{name} type {qtype} T={T} mode {mode}: the fixed-width build differs"
+
+
 def _chain_device(dev, emu_sms: int):
     """The dev fixture for an mm_chain test: (name, device, FusedGpu, xp); on the emulator a FusedGpu that
     counts `emu_sms` multiprocessors, so a chain's grid (four blocks each at most) is small enough for the
