@@ -127,9 +127,11 @@ MM_MAX_STAGES = 3                   # mma_matmul.cu MM_MAX_STAGES
 # def:ONE_ROW_BUILD=False times the general build at T = 1.
 ONE_ROW_BUILD = True
 # Launches of more than 8 rows (verify widths) use a build for their exact row count (mma_matmul.cu
-# MM_T_CONST): the same arithmetic with the stage's offsets constant. An A/B candidate (GPU_NOTES,
-# forty-seventh session): def:WIDE_T_CONST=True.
-WIDE_T_CONST = False
+# MM_T_CONST): the same arithmetic with the stage's offsets constant, ~2% fewer instructions a stage.
+# H100, against the general build (GPU_NOTES, forty-seventh session): verify W=23 graph -0.195 ms, W=16
+# -0.09, decode unchanged. Each new width compiles its products once (~1 s an instantiation; CuPy keeps
+# them on disk). ab_bench.sh def:WIDE_T_CONST=False times the general build.
+WIDE_T_CONST = True
 
 
 PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
