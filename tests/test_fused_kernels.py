@@ -419,7 +419,8 @@ def test_mm_one_row_build_equals_the_general_build(dev, monkeypatch):
 def test_mm_fixed_width_build_equals_the_general_build(dev, monkeypatch):
     """Verify widths over 8 rows may run mma_matmul.cu's MM_T_CONST build (fused_gpu.WIDE_T_CONST: the
     launch's row count a constant, so the stage's offsets fold into the loads): every output bit-identical
-    to the general build, in every epilogue, with cut row blocks, at 2, 3 and 4 column tiles."""
+    to the general build, in every epilogue, with cut row blocks, at 2, 3 and 4 column tiles, and for a
+    two-type launch."""
     from kernels import fused_gpu
     name, d, fg = dev
     xp = fg.xp
@@ -442,6 +443,9 @@ def test_mm_fixed_width_build_equals_the_general_build(dev, monkeypatch):
                 assert kernels[0] is not kernels[1]              # two builds
                 assert np.array_equal(got[0], got[1], equal_nan=True), \
                     f"{name} type {qtype} T={T} mode {mode}: the fixed-width build differs"
+    monkeypatch.setattr(fused_gpu, "WIDE_T_CONST", False)       # a launch of two types (mm_tc_parts)
+    got = _two_type_add(fg, np.random.default_rng(47), n_in, 23, ((), ("MM_T_CONST=23",)))
+    assert np.array_equal(got[0], got[1]), f"{name}: a two-type launch's fixed-width build differs"
 
 
 def _chain_device(dev, emu_sms: int):
