@@ -130,8 +130,11 @@ ONE_ROW_BUILD = True
 # MM_T_CONST): the same arithmetic with the stage's offsets constant, ~2% fewer instructions a stage.
 # H100, against the general build (GPU_NOTES, forty-seventh session): verify W=23 graph -0.195 ms, W=16
 # -0.09, decode unchanged. Each new width compiles its products once (~1 s an instantiation; CuPy keeps
-# them on disk). ab_bench.sh def:WIDE_T_CONST=False times the general build.
+# them on disk). ab_bench.sh def:WIDE_T_CONST=False times the general build. The CPU emulator (tests/emu)
+# runs the general build unless WIDE_T_CONST_EMU: a build of its own for every width cost the CPU suite
+# ~4 minutes of C++ compiles for no speed; tests/test_fused_kernels.py holds the two builds equal.
 WIDE_T_CONST = True
+WIDE_T_CONST_EMU = False
 
 
 PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
@@ -531,7 +534,8 @@ class FusedGpu:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         if ONE_ROW_BUILD and T == 1 and "MM_ONE_ROW=1" not in variant:
             variant = tuple(variant) + ("MM_ONE_ROW=1",)
-        if WIDE_T_CONST and T > 8 and not any(v.startswith("MM_T_CONST=") for v in variant):
+        if (WIDE_T_CONST and T > 8 and (WIDE_T_CONST_EMU or getattr(self.dev, "name", "") != "emu")
+                and not any(v.startswith("MM_T_CONST=") for v in variant)):
             variant = tuple(variant) + (f"MM_T_CONST={T}",)
         second = (f"MM_QT2={types[1]}",) if len(types) > 1 else ()
         kern = self._k("mma_matmul.cu", "mm_tc", (f"MM_QT={qt}",) + second + (f"MM_NT={nt}", f"MM_MODE={mode}")

@@ -424,6 +424,7 @@ def test_mm_fixed_width_build_equals_the_general_build(dev, monkeypatch):
     from kernels import fused_gpu
     name, d, fg = dev
     xp = fg.xp
+    monkeypatch.setattr(fused_gpu, "WIDE_T_CONST_EMU", True)    # (the emulator otherwise runs the general build)
     rng = np.random.default_rng(43)
     n_out, n_in = 832, 1280
     for qtype in (QT_Q4_K, QT_Q6_K):
