@@ -183,10 +183,17 @@ __device__ __forceinline__ void red_add_fixed(long long* p, float v) {
     atomicAdd((unsigned long long*)p, (unsigned long long)q);
 }
 #else
+// MM_RED_PROBE (benchmarks, timing only: wrong sums): the fixed-point adds as plain stores (what do the
+// L2 atomics of the ADD epilogues cost a wide launch?)
+#define MM_RED_PROBE 0
 __device__ __forceinline__ void red_add_fixed(long long* p, float v) {
     const long long q = isfinite(v) ? __float2ll_rn(v * FIXED_ONE) : FIXED_POISON;
+#if MM_RED_PROBE
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(q) : "memory");
+#else
     // global and without a result (a generic atomicAdd also tests for shared memory)
     asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(q) : "memory");
+#endif
 }
 #endif
 __device__ __forceinline__ float fixed_to_float(long long a) {
