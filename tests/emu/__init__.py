@@ -167,13 +167,17 @@ def _build(name: str, body: str) -> Path:
     so = out_dir / f"{name}-{key}.so"
     if so.exists():
         return so
-    src = out_dir / f"{name}-{key}.cpp"
+    # Source and library under this process's own names until each is whole: parallel test workers
+    # (pytest -n) build the same key at once, and one rewriting the shared source file while another's
+    # compiler reads it would hand that compiler a truncated file.
+    src = out_dir / f"{name}-{key}.{os.getpid()}.cpp"
     src.write_text(body)
     tmp = so.with_suffix(f".{os.getpid()}.tmp")
     proc = subprocess.run([CXX, *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"emulator build of {name} failed:\n{proc.stderr[-4000:]}")
     os.replace(tmp, so)
+    os.replace(src, out_dir / f"{name}-{key}.cpp")     # kept beside the library: its errors' line numbers
     return so
 
 
