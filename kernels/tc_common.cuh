@@ -185,7 +185,9 @@ __device__ __forceinline__ void red_add_fixed(long long* p, float v) {
 #else
 // MM_RED_PROBE (benchmarks, timing only: wrong sums): the fixed-point adds as plain stores (what do the
 // L2 atomics of the ADD epilogues cost a wide launch?)
+#ifndef MM_RED_PROBE
 #define MM_RED_PROBE 0
+#endif
 __device__ __forceinline__ void red_add_fixed(long long* p, float v) {
     const long long q = isfinite(v) ? __float2ll_rn(v * FIXED_ONE) : FIXED_POISON;
 #if MM_RED_PROBE

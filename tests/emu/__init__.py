@@ -177,7 +177,7 @@ def _build(name: str, body: str) -> Path:
     if proc.returncode != 0:
         raise RuntimeError(f"emulator build of {name} failed:\n{proc.stderr[-4000:]}")
     os.replace(tmp, so)
-    os.replace(src, out_dir / f"{name}-{key}.cpp")     # kept beside the library: its errors' line numbers
+    os.replace(src, out_dir / f"{name}-{key}.cpp")     # kept beside the library: the source it was built from
     return so
 
 
