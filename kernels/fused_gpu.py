@@ -135,15 +135,6 @@ ONE_ROW_BUILD = True
 # ~4 minutes of C++ compiles for no speed; tests/test_fused_kernels.py holds the two builds equal.
 WIDE_T_CONST = True
 WIDE_T_CONST_EMU = False
-# Benchmarks only (tests/bench/ab_bench.sh 'def:WIDE_NT3_VARIANT=("MM_MAXNREG=112",)'): mm_tc variant defines
-# for every launch of 17..24 rows (three column tiles). The question it answers (GPU_NOTES, forty-ninth
-# session): at W=23 the prep before a product has a block on most multiprocessors (post_norm: 115 blocks of
-# 256 threads x 32 registers, decode's 7), while the three-tile SwiGLU and STORE builds take 126 / 121
-# registers (128 allocated), so four of their blocks fill the register file and a multiprocessor's fourth
-# block enters only once the prep's block has left. Capped at 112 registers (NVRTC 13.5: three spill slots
-# outside the stage loop, the loop's code the same) a prep block fits beside four. Register caps change no
-# arithmetic: verify rows keep decode's bits.
-WIDE_NT3_VARIANT: tuple[str, ...] = ()
 
 
 PREP_BLOCKS = 128                   # prep_rows: about this many blocks a launch (one wave on an H200)
@@ -543,8 +534,6 @@ class FusedGpu:
             variant = tuple(variant) + ("MM_ISSUER_WARP=0",)       # mma_matmul.cu: no issuer warp on HIP
         if ONE_ROW_BUILD and T == 1 and "MM_ONE_ROW=1" not in variant:
             variant = tuple(variant) + ("MM_ONE_ROW=1",)
-        if WIDE_NT3_VARIANT and 16 < T <= 24:
-            variant = tuple(variant) + tuple(WIDE_NT3_VARIANT)
         if (WIDE_T_CONST and T > 8 and (WIDE_T_CONST_EMU or getattr(self.dev, "name", "") != "emu")
                 and not any(v.startswith("MM_T_CONST=") for v in variant)):
             variant = tuple(variant) + (f"MM_T_CONST={T}",)
